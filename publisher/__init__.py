@@ -1,0 +1,1 @@
+"""The publisher daemon: complete snapshots in, registered vllm-fused versions out."""

@@ -1,0 +1,69 @@
+"""Version numbers and registration in Redis, each one atomic.
+
+Registration is one Lua script: it refuses a snapshot already handled, then writes the
+version hash, adds it to the sorted set, raises ``latest`` (never lowers it), records the
+snapshot as published and publishes the event. Readers see all of it or none of it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+
+from shared.keys import Keys
+
+SKIPPED = "skipped"
+QUARANTINED = "quarantined"
+
+_REGISTER = """
+if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
+local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
+if tonumber(ARGV[1]) > latest then redis.call('SET', KEYS[3], ARGV[1]) end
+redis.call('HSET', KEYS[4], ARGV[2], ARGV[1])
+redis.call('PUBLISH', ARGV[4], ARGV[3])
+return 1
+"""
+
+
+class Registry:
+    """The publisher's writes to the version keys of one namespace."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+        self._register = client.register_script(_REGISTER)
+
+    def allocate_version(self) -> int:
+        """A fresh version number: unique and increasing across restarts."""
+        return int(self.client.incr(self.keys.next_version))
+
+    def handled(self) -> dict[str, str]:
+        """Snapshot id -> version number, ``skipped`` or ``quarantined``."""
+        return {k.decode(): v.decode() for k, v in self.client.hgetall(self.keys.snapshots).items()}
+
+    def mark(self, snapshot_id: str, outcome: str) -> None:
+        """Record a snapshot that will not be published (skipped or quarantined)."""
+        self.client.hsetnx(self.keys.snapshots, snapshot_id, outcome)
+
+    def register(
+        self, version: int, snapshot_id: str, fields: Mapping[str, Any], event: Mapping[str, Any]
+    ) -> bool:
+        """Register ``version`` atomically; False if the snapshot was already handled."""
+        flat = [str(item) for pair in fields.items() for item in pair]
+        message = json.dumps({"event": "published", "version": version, **event})
+        keys = [
+            self.keys.version(version),
+            self.keys.versions,
+            self.keys.latest,
+            self.keys.snapshots,
+        ]
+        args = [version, snapshot_id, message, self.keys.events, *flat]
+        return bool(self._register(keys=keys, args=args))
+
+    def live_versions(self) -> list[int]:
+        return [int(v) for v in self.client.zrange(self.keys.versions, 0, -1)]

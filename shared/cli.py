@@ -1,0 +1,171 @@
+"""The ``weightcast`` command: one console script for every process of the pipeline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from shared.config import Config, ConfigError, add_flag, flag_overrides, load_config
+from shared.logs import configure_logging
+
+COMMANDS = {
+    "up": "run the whole pipeline locally (private redis-server, tiny model, CPU) and exit",
+    "trainer": "train on rollout batches from Redis and write snapshots (torchrun works)",
+    "publisher": "publish complete snapshots as vllm-fused versions and evict old ones",
+    "produce": "push synthetic rollout batches (a stand-in rollout producer)",
+    "follow": "a reference inference node: lease, verify and load each new version",
+    "status": "show versions, leases, nodes, the trainer and the batch queue",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weightcast",
+        description="Move fresh policy weights from an RL trainer to "
+        "inference nodes through Redis.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {
+        name: sub.add_parser(name, help=text, description=text) for name, text in COMMANDS.items()
+    }
+    for command in commands.values():
+        command.add_argument(
+            "--config",
+            type=Path,
+            metavar="FILE",
+            help="TOML settings file (flags and WEIGHTCAST_* env override it)",
+        )
+        add_flag(command, "redis_url", "--redis-url", help="Redis to use")
+        add_flag(command, "namespace", "--namespace", help="key namespace (hash tag)")
+        add_flag(command, "checkpoint_dir", "--checkpoint-dir", help="snapshot directory")
+        add_flag(command, "weights_dir", "--weights-dir", help="published versions directory")
+        add_flag(command, "log_format", "--log-format", help="text or json")
+        add_flag(command, "log_level", "--log-level", help="DEBUG, INFO, WARNING...")
+
+    up = commands["up"]
+    up.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
+    up.add_argument(
+        "--publish-every", type=int, default=2, help="snapshot every K steps (default: 2)"
+    )
+    up.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path(".weightcast/runs"),
+        help="where each run gets its directory (default: .weightcast/runs)",
+    )
+    up.add_argument(
+        "--timeout", type=float, default=900, help="give up after this many seconds (default: 900)"
+    )
+
+    trainer = commands["trainer"]
+    add_flag(trainer, "trainer.model", "--model", help="Qwen3 flavor")
+    add_flag(trainer, "trainer.steps", "--steps", help="optimizer steps, 0 = until stopped")
+    add_flag(trainer, "trainer.publish_every", "--publish-every", help="snapshot every K steps")
+    add_flag(trainer, "trainer.seq_len", "--seq-len", help="longest batch, in tokens")
+    add_flag(trainer, "trainer.loss", "--loss", help="grpo or sft")
+    add_flag(trainer, "trainer.consumer", "--consumer", help="consumer name in group trainer")
+    add_flag(trainer, "trainer.run_id", "--run-id", help="run id written into snapshots")
+
+    publisher = commands["publisher"]
+    add_flag(publisher, "publisher.tp", "--tp", help="inference tensor-parallel degree")
+    add_flag(publisher, "publisher.keep", "--keep", help="versions to keep")
+    add_flag(
+        publisher,
+        "publisher.rescan_seconds",
+        "--rescan-seconds",
+        help="rescan the checkpoint directory at least this often",
+    )
+    add_flag(publisher, "publisher.poll", "--poll", help="polling observer (NFS)")
+    add_flag(publisher, "publisher.once", "--once", help="publish what is complete, then exit")
+
+    produce = commands["produce"]
+    add_flag(produce, "produce.count", "--count", help="batches to push")
+    add_flag(produce, "produce.batch_size", "--batch-size", help="sequences per batch")
+    add_flag(produce, "produce.seq_len", "--seq-len", help="tokens per sequence")
+    add_flag(produce, "produce.vocab_size", "--vocab-size", help="token ids are below this")
+    add_flag(produce, "produce.interval", "--interval", help="seconds between batches")
+    add_flag(
+        produce,
+        "produce.invalid_every",
+        "--invalid-every",
+        help="also push a malformed batch after every N good ones",
+    )
+    add_flag(produce, "produce.seed", "--seed", help="random seed")
+
+    follow = commands["follow"]
+    add_flag(follow, "follow.node_id", "--node-id", help="name of this node")
+    add_flag(follow, "follow.poll_seconds", "--poll-seconds", help="re-read latest this often")
+    add_flag(follow, "follow.lease_seconds", "--lease-seconds", help="lease time to live")
+    add_flag(
+        follow, "follow.until_version", "--until-version", help="exit once this version is loaded"
+    )
+
+    commands["status"].add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.config, overrides=flag_overrides(args))
+        configure_logging(config.common.log_format, config.common.log_level)
+        return _run(args, config)
+    except ConfigError as exc:
+        print(f"weightcast {args.command}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except redis.ConnectionError as exc:
+        print(
+            f"weightcast {args.command}: cannot reach Redis at {config.common.redis_url}: "
+            f"{exc}. Start redis-server or pass --redis-url.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _run(args: argparse.Namespace, config: Config) -> int:
+    if args.command == "up":
+        from shared.stack import run_up
+
+        explicit_url = vars(args).get("redis_url")
+        return run_up(
+            config,
+            args.steps,
+            args.publish_every,
+            args.workdir,
+            explicit_url,
+            args.timeout,
+            args.config,
+        )
+    if args.command == "trainer":
+        from trainer.worker import run_trainer
+
+        return run_trainer(config)
+    if args.command == "publisher":
+        from publisher.daemon import run_publisher
+
+        return run_publisher(config)
+    if args.command == "produce":
+        from shared.producer import run_produce
+
+        return run_produce(config)
+    if args.command == "follow":
+        from shared.follower import run_follow
+
+        return run_follow(config)
+    from shared.keys import Keys
+    from shared.status import collect_status, format_status
+
+    status = collect_status(
+        redis.Redis.from_url(config.common.redis_url), Keys(config.common.namespace)
+    )
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Layered configuration: defaults < TOML file < ``WEIGHTCAST_*`` environment < command line.
+
+Settings are plain dataclasses, one per process, each addressed by a dotted name:
+``redis_url`` (common, top level of the TOML file), ``trainer.publish_every`` (the
+``[trainer]`` table), and so on. The environment variable of a setting is its dotted name in
+upper case with ``_`` for ``.``, prefixed with ``WEIGHTCAST_``: ``WEIGHTCAST_REDIS_URL``,
+``WEIGHTCAST_TRAINER_PUBLISH_EVERY``. The trainer also takes torchtitan's job config sections
+as sub-tables (``[trainer.optimizer]``, ``[trainer.training]``...), applied by the trainer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "WEIGHTCAST_"
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names it and its source."""
+
+
+@dataclass
+class CommonConfig:
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "wc"
+    checkpoint_dir: Path = Path("checkpoints")
+    weights_dir: Path = Path("weights")
+    log_format: str = "text"
+    log_level: str = "INFO"
+
+
+@dataclass
+class TrainerConfig:
+    model: str = "tiny"
+    steps: int = 0
+    """Optimizer steps to train before exiting; 0 trains until stopped."""
+    publish_every: int = 1
+    seq_len: int = 256
+    """Longest batch accepted, in tokens (torchtitan's ``training.seq_len``)."""
+    loss: str = "grpo"
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    consumer: str = ""
+    """Consumer name in the ``trainer`` group; empty means ``<hostname>-<pid>``."""
+    run_id: str = ""
+    """Identifies this training run in snapshots and versions; empty means a fresh one."""
+    block_ms: int = 1000
+    device: str = "auto"
+    seed: int = 0
+    titan: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """torchtitan job config overrides by section (``optimizer``, ``lr_scheduler``...)."""
+
+
+@dataclass
+class PublisherConfig:
+    tp: int = 1
+    keep: int = 2
+    rescan_seconds: float = 5.0
+    poll: bool = False
+    """Use watchdog's PollingObserver (for NFS and other network filesystems)."""
+    once: bool = False
+    """Publish what is complete at start, then exit (for scripts and tests)."""
+
+
+@dataclass
+class ProduceConfig:
+    count: int = 1
+    batch_size: int = 4
+    seq_len: int = 64
+    vocab_size: int = 1024
+    interval: float = 0.0
+    """Seconds to wait between batches (paces a demo like a real rollout fleet)."""
+    invalid_every: int = 0
+    """Push a malformed batch after every N good ones (0: never); shows the dead-letter path."""
+    seed: int = 0
+
+
+@dataclass
+class FollowConfig:
+    node_id: str = ""
+    """Name in ``{wc}:nodes``; empty means ``<hostname>-<pid>``."""
+    poll_seconds: float = 2.0
+    lease_seconds: float = 30.0
+    until_version: int = 0
+    """Exit once this version (or a newer one) is loaded; 0 follows forever."""
+
+
+@dataclass
+class Config:
+    common: CommonConfig = field(default_factory=CommonConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    publisher: PublisherConfig = field(default_factory=PublisherConfig)
+    produce: ProduceConfig = field(default_factory=ProduceConfig)
+    follow: FollowConfig = field(default_factory=FollowConfig)
+
+
+_SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "common")
+
+
+def load_config(
+    path: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration from its layers; raises :class:`ConfigError`."""
+    config = Config()
+    if path is not None:
+        try:
+            table = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        _apply_toml(config, table, str(path))
+    env = os.environ if env is None else env
+    for name, (section, fld) in _settings().items():
+        var = env_var(name)
+        if var in env:
+            _set(config, name, _coerce(env[var], _field_type(section, fld), f"${var}"))
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            _set(config, name, value)
+    return config
+
+
+def env_var(name: str) -> str:
+    """The environment variable that sets the dotted setting ``name``."""
+    return ENV_PREFIX + name.upper().replace(".", "_")
+
+
+def add_flag(parser: argparse.ArgumentParser, name: str, *flags: str, help: str = "") -> None:
+    """Add a command-line flag for setting ``name``; absent flags leave lower layers alone."""
+    section, fld = _settings()[name]
+    kind = _field_type(section, fld)
+    extra: dict[str, Any]
+    if kind is bool:
+        extra = {"action": argparse.BooleanOptionalAction}
+    else:
+        extra = {"type": kind, "metavar": fld.name.upper()}
+    default = getattr(section(), fld.name)
+    parser.add_argument(
+        *flags,
+        dest=name,
+        default=argparse.SUPPRESS,
+        help=f"{help} (default: {default}; env {env_var(name)})",
+        **extra,
+    )
+
+
+def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The settings given on the command line, by dotted name."""
+    names = _settings()
+    return {k: v for k, v in vars(args).items() if k in names}
+
+
+def _settings() -> dict[str, tuple[type, dataclasses.Field[Any]]]:
+    settings: dict[str, tuple[type, dataclasses.Field[Any]]] = {}
+    for fld in dataclasses.fields(CommonConfig):
+        settings[fld.name] = (CommonConfig, fld)
+    for section in dataclasses.fields(Config):
+        if section.name == "common":
+            continue
+        cls = section.default_factory  # type: ignore[misc]
+        for fld in dataclasses.fields(cls):
+            if fld.name != "titan":
+                settings[f"{section.name}.{fld.name}"] = (cls, fld)
+    return settings
+
+
+def _apply_toml(config: Config, table: Mapping[str, Any], source: str) -> None:
+    settings = _settings()
+    for key, value in table.items():
+        if key in _SECTIONS and isinstance(value, Mapping):
+            for sub, sub_value in value.items():
+                name = f"{key}.{sub}"
+                if key == "trainer" and isinstance(sub_value, Mapping):
+                    config.trainer.titan.setdefault(sub, {}).update(sub_value)
+                elif name in settings:
+                    cls, fld = settings[name]
+                    kind = _field_type(cls, fld)
+                    _set(config, name, _coerce(sub_value, kind, f"{source}: {name}"))
+                else:
+                    raise ConfigError(f"{source}: unknown setting {name!r}")
+        elif key in settings:
+            cls, fld = settings[key]
+            _set(config, key, _coerce(value, _field_type(cls, fld), f"{source}: {key}"))
+        else:
+            known = sorted(k for k in settings if "." not in k) + [f"[{s}]" for s in _SECTIONS]
+            raise ConfigError(f"{source}: unknown setting {key!r}; known: {', '.join(known)}")
+
+
+def _set(config: Config, name: str, value: Any) -> None:
+    section, _, key = name.rpartition(".")
+    setattr(getattr(config, section or "common"), key, value)
+
+
+def _field_type(cls: type, fld: dataclasses.Field[Any]) -> type:
+    return typing.get_type_hints(cls)[fld.name]
+
+
+def _coerce(value: Any, kind: type, source: str) -> Any:
+    """Convert a TOML or environment value to the setting's type."""
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(f"not a boolean: {value!r}")
+        if kind is int and isinstance(value, float):
+            raise ValueError(f"not an integer: {value!r}")
+        return kind(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {exc}") from None

@@ -1,0 +1,240 @@
+"""``weightcast up``: the whole pipeline on one machine, started, watched and stopped.
+
+It starts a private redis-server (unless given ``--redis-url``), then the publisher, an
+inference node (``follow``), the trainer and a producer, each a separate process with its
+log in the run directory. It exits 0 once the trainer has trained every step and the last
+version is published and loaded by the node; if any process fails it stops the others and
+says which one failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from shared.config import Config
+from shared.keys import Keys
+from shared.redis_server import RedisServer
+
+FOLLOWER_ID = "up-follower"
+STOP_GRACE_S = 20.0
+
+
+class StackFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    may_finish: bool
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text[-lines:])
+
+
+@dataclass
+class Progress:
+    """What ``up`` has seen so far, from pub/sub events, the heartbeat and the nodes hash."""
+
+    published: list[dict] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    step: int = 0
+    follower_version: int = 0
+
+    def describe(self, steps: int) -> str:
+        last = self.published[-1] if self.published else None
+        version = (
+            f"v{last['version']} (step {last['step']}, lag {last['lag_s']:.2f}s)" if last else "-"
+        )
+        return (
+            f"step {self.step}/{steps}  published {version}  "
+            f"node on v{self.follower_version or '-'}"
+        )
+
+
+class Stack:
+    def __init__(
+        self, config: Config, run_dir: Path, redis_url: str, config_file: Path | None
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.keys = Keys(config.common.namespace)
+        self.redis = redis.Redis.from_url(redis_url)
+        self.children: list[Child] = []
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "WEIGHTCAST_REDIS_URL": redis_url,
+            "WEIGHTCAST_NAMESPACE": config.common.namespace,
+            "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+            "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
+        }
+        self.base_argv = [sys.executable, "-m", "shared.cli"]
+        if config_file is not None:
+            self.base_argv += ["--config", str(config_file)]
+
+    def start(self, name: str, args: list[str], may_finish: bool = False) -> None:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                [*self.base_argv, *args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children.append(Child(name, process, log_path, may_finish))
+
+    def check(self) -> bool:
+        """True once the trainer finished; raises :class:`StackFailure` on any failure."""
+        trainer_done = False
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                continue
+            if code == 0 and child.name == "trainer":
+                trainer_done = True
+            elif code != 0 or not child.may_finish:
+                how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+                raise StackFailure(
+                    f"the {child.name} {how}; last lines of {child.log_path}:\n{child.tail()}"
+                )
+        return trainer_done
+
+    def stop_all(self) -> None:
+        """SIGTERM every process still running, then SIGKILL what outlives the grace period."""
+        running = [c for c in self.children if c.process.poll() is None]
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in running:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+    def observe(self, pubsub: redis.client.PubSub, progress: Progress) -> None:
+        while message := pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2):
+            event = json.loads(message["data"])
+            if event["event"] == "published":
+                progress.published.append(event)
+            elif event["event"] == "evicted":
+                progress.evicted.append(event["version"])
+        progress.step = int(self.redis.hget(self.keys.trainer_heartbeat, "step") or 0)
+        node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
+        progress.follower_version = json.loads(node)["version"] if node else 0
+
+
+def run_up(
+    config: Config,
+    steps: int,
+    publish_every: int,
+    workdir: Path,
+    redis_url: str | None,
+    timeout: float,
+    config_file: Path | None = None,
+) -> int:
+    """Run the pipeline for ``steps`` training steps; the process exit code."""
+    from trainer.model import flavor_args  # torchtitan is only needed to size the producer
+
+    model = flavor_args(config.trainer.model)
+    run_dir = workdir.resolve() / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True)
+    started = time.monotonic()
+    print(
+        f"weightcast up: {steps} steps of {config.trainer.model}, a snapshot every "
+        f"{publish_every}; files in {run_dir}",
+        flush=True,
+    )
+    with contextlib.ExitStack() as resources:
+        if redis_url is None:
+            server = resources.enter_context(RedisServer(run_dir / "redis"))
+            redis_url = server.url
+            print(f"started a private redis-server at {redis_url}", flush=True)
+        stack = Stack(config, run_dir, redis_url, config_file)
+        resources.callback(stack.stop_all)
+        pubsub = stack.redis.pubsub()
+        pubsub.subscribe(stack.keys.events)
+        progress = Progress()
+        stack.start("publisher", ["publisher", "--rescan-seconds", "1"])
+        stack.start("follower", ["follow", "--node-id", FOLLOWER_ID, "--poll-seconds", "1"])
+        stack.start(
+            "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
+        )
+        stack.start(
+            "producer",
+            [
+                "produce",
+                "--count",
+                str(steps),
+                "--interval",
+                "0.2",
+                "--vocab-size",
+                str(model.vocab_size),
+            ],
+            may_finish=True,
+        )
+        shown = ""
+        try:
+            while True:
+                trainer_done = stack.check()
+                stack.observe(pubsub, progress)
+                state = progress.describe(steps)
+                if state != shown:
+                    print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
+                    shown = state
+                final = progress.published[-1] if progress.published else None
+                if (
+                    trainer_done
+                    and final
+                    and final["step"] == steps
+                    and progress.follower_version == final["version"]
+                ):
+                    break
+                if time.monotonic() - started > timeout:
+                    raise StackFailure(f"not done after {timeout:.0f}s: {state}")
+        except StackFailure as exc:
+            print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:
+            print("interrupted: stopping every process weightcast up started", flush=True)
+            return 130
+        dead = stack.redis.xlen(stack.keys.dead_letters)
+    print(summary(progress, steps, time.monotonic() - started, dead, run_dir), flush=True)
+    return 0
+
+
+def summary(
+    progress: Progress, steps: int, seconds: float, dead_letters: int, run_dir: Path
+) -> str:
+    published = progress.published
+    live = sorted({e["version"] for e in published} - set(progress.evicted))
+    lines = [
+        f"weightcast up: done in {seconds:.1f}s",
+        f"  trained {steps} steps; {len(published)} versions published, "
+        f"{len(progress.evicted)} evicted, live: {' '.join(f'v{v}' for v in live)}",
+        f"  the inference node loaded v{progress.follower_version}; "
+        f"{dead_letters} batches dead-lettered",
+        "  version   step   snapshot -> registered",
+    ]
+    lines += [f"  v{e['version']:<8} {e['step']:>4}   {e['lag_s']:.3f}s" for e in published]
+    lines.append(f"  logs: {run_dir / 'logs'}")
+    return "\n".join(lines)

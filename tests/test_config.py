@@ -1,0 +1,82 @@
+"""Configuration layers: defaults < TOML file < WEIGHTCAST_* environment < command line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shared.cli import build_parser
+from shared.config import ConfigError, env_var, flag_overrides, load_config
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "weightcast.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    config = load_config(env={})
+    assert config.common.namespace == "wc"
+    assert config.publisher.tp == 1 and config.publisher.keep == 2
+    assert config.trainer.model == "tiny"
+
+
+def test_each_layer_overrides_the_one_below(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        'namespace = "from-file"\nredis_url = "redis://file:1/0"\n'
+        "[trainer]\npublish_every = 3\nsteps = 7\n[publisher]\ntp = 2\n",
+    )
+    env = {"WEIGHTCAST_NAMESPACE": "from-env", "WEIGHTCAST_TRAINER_PUBLISH_EVERY": "5"}
+    args = build_parser().parse_args(["trainer", "--publish-every", "9"])
+    config = load_config(path, env=env, overrides=flag_overrides(args))
+    assert config.common.redis_url == "redis://file:1/0"  # file only
+    assert config.common.namespace == "from-env"  # env beats file
+    assert config.trainer.publish_every == 9  # flag beats env and file
+    assert config.trainer.steps == 7 and config.publisher.tp == 2
+
+
+def test_absent_flags_do_not_reset_lower_layers() -> None:
+    args = build_parser().parse_args(["publisher"])
+    config = load_config(env={"WEIGHTCAST_PUBLISHER_TP": "4"}, overrides=flag_overrides(args))
+    assert config.publisher.tp == 4
+
+
+def test_env_names_follow_the_dotted_setting() -> None:
+    assert env_var("redis_url") == "WEIGHTCAST_REDIS_URL"
+    assert env_var("publisher.rescan_seconds") == "WEIGHTCAST_PUBLISHER_RESCAN_SECONDS"
+
+
+def test_booleans_and_paths_are_parsed(tmp_path: Path) -> None:
+    config = load_config(
+        env={"WEIGHTCAST_PUBLISHER_POLL": "yes", "WEIGHTCAST_WEIGHTS_DIR": str(tmp_path)}
+    )
+    assert config.publisher.poll is True
+    assert config.common.weights_dir == tmp_path
+
+
+def test_torchtitan_sections_are_kept_for_the_trainer(tmp_path: Path) -> None:
+    path = write(
+        tmp_path, "[trainer.optimizer]\nlr = 1e-5\n[trainer.lr_scheduler]\nwarmup_steps = 3\n"
+    )
+    config = load_config(path, env={})
+    assert config.trainer.titan == {"optimizer": {"lr": 1e-5}, "lr_scheduler": {"warmup_steps": 3}}
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "message"),
+    [
+        ("stepz = 1\n", {}, "unknown setting 'stepz'"),
+        ("[publisher]\ntpp = 2\n", {}, "unknown setting 'publisher.tpp'"),
+        ("[publisher]\ntp = 1.5\n", {}, "publisher.tp: not an integer"),
+        ("", {"WEIGHTCAST_PUBLISHER_KEEP": "two"}, "$WEIGHTCAST_PUBLISHER_KEEP"),
+        ("", {"WEIGHTCAST_PUBLISHER_POLL": "maybe"}, "not a boolean"),
+        ("[trainer\n", {}, "cannot read config file"),
+    ],
+)
+def test_bad_settings_name_their_source(tmp_path: Path, text: str, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(write(tmp_path, text), env=env)
+    assert message in str(error.value)

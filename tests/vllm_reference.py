@@ -1,0 +1,61 @@
+"""What vLLM places on one tensor-parallel rank, computed the way vLLM's loaders do it.
+
+This mirrors ``QKVParallelLinear.weight_loader`` and ``MergedColumnParallelLinear.weight_loader``
+(vllm/model_executor/layers/linear.py) fed the HF tensors q, k, v (gate, up) one shard id at a
+time. It is deliberately independent of ``shared.layout``: the tests compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def qkv_parallel_rank(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    total_num_heads: int,
+    total_num_kv_heads: int,
+    head_size: int,
+    tp_size: int,
+    tp_rank: int,
+) -> torch.Tensor:
+    assert total_num_heads % tp_size == 0
+    num_heads = total_num_heads // tp_size
+    if tp_size >= total_num_kv_heads:
+        assert tp_size % total_num_kv_heads == 0
+        num_kv_heads, num_kv_head_replicas = 1, tp_size // total_num_kv_heads
+    else:
+        assert total_num_kv_heads % tp_size == 0
+        num_kv_heads, num_kv_head_replicas = total_num_kv_heads // tp_size, 1
+    param = torch.full(
+        ((num_heads + 2 * num_kv_heads) * head_size, *q.shape[1:]), float("nan"), dtype=q.dtype
+    )
+    for shard_id, loaded in (("q", q), ("k", k), ("v", v)):
+        if shard_id == "q":
+            shard_offset, shard_size = 0, num_heads * head_size
+        elif shard_id == "k":
+            shard_offset, shard_size = num_heads * head_size, num_kv_heads * head_size
+        else:
+            shard_offset = (num_heads + num_kv_heads) * head_size
+            shard_size = num_kv_heads * head_size
+        shard_rank = tp_rank if shard_id == "q" else tp_rank // num_kv_head_replicas
+        target = param.narrow(0, shard_offset, shard_size)
+        target.copy_(loaded.narrow(0, shard_rank * shard_size, shard_size))
+    return param
+
+
+def merged_column_parallel_rank(
+    gate: torch.Tensor, up: torch.Tensor, tp_size: int, tp_rank: int
+) -> torch.Tensor:
+    output_sizes = [gate.shape[0], up.shape[0]]
+    param = torch.full(
+        (sum(output_sizes) // tp_size, *gate.shape[1:]), float("nan"), dtype=gate.dtype
+    )
+    for shard_id, loaded in enumerate((gate, up)):
+        shard_offset = sum(output_sizes[:shard_id]) // tp_size
+        shard_size = output_sizes[shard_id] // tp_size
+        param.narrow(0, shard_offset, shard_size).copy_(
+            loaded.narrow(0, tp_rank * shard_size, shard_size)
+        )
+    return param

@@ -1,0 +1,95 @@
+"""Policy losses on token log-probabilities, as pure functions of logits and a batch.
+
+Position ``t`` of every per-token tensor is about token ``t``, predicted from tokens before
+it, so the logits at ``t - 1`` score token ``t`` and position 0 is never trained. Means are
+taken over the trained tokens of the whole micro-batch (each response token weighs the same,
+whatever the length of its sequence), never over padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shared.codec import RolloutBatch
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    clip_eps: float = 0.2
+    """PPO-style clipping of the importance ratio to ``[1 - eps, 1 + eps]``."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL estimate against ``ref_logprobs`` (when the batch has them)."""
+
+
+@dataclass
+class LossResult:
+    loss: torch.Tensor
+    metrics: dict[str, float]
+
+
+LossFn = Callable[[torch.Tensor, RolloutBatch, LossSettings], LossResult]
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` log-probability of each token under the logits before it (0 at t = 0)."""
+    batch, seq = input_ids.shape
+    nll = F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        input_ids[:, 1:].reshape(-1),
+        reduction="none",
+    )
+    return F.pad(-nll.view(batch, seq - 1), (1, 0))
+
+
+def trained_mask(batch: RolloutBatch) -> torch.Tensor:
+    """The loss mask with position 0 cleared: nothing predicts the first token."""
+    mask = batch.loss_mask.clone()
+    mask[:, 0] = 0
+    return mask
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def grpo_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:
+    """Clipped policy-gradient loss with optional k3 KL to a reference policy.
+
+    With ``old_logprobs`` the ratio ``pi / pi_old`` is clipped as in PPO; without them the
+    batch is taken as on-policy (ratio 1, the plain policy gradient).
+    """
+    logp = token_logprobs(logits, batch.input_ids)
+    mask = trained_mask(batch)
+    advantages = batch.advantages
+    behaviour = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
+    ratio = torch.exp(logp - behaviour)
+    clipped = ratio.clamp(1 - settings.clip_eps, 1 + settings.clip_eps)
+    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
+    metrics = {"clip_fraction": masked_mean((ratio != clipped).float(), mask).item()}
+    if batch.ref_logprobs is not None:
+        delta = batch.ref_logprobs - logp
+        kl = torch.exp(delta) - delta - 1
+        metrics["kl"] = masked_mean(kl.detach(), mask).item()
+        if settings.kl_coef:
+            per_token = per_token + settings.kl_coef * kl
+    loss = masked_mean(per_token, mask)
+    return LossResult(loss, metrics)
+
+
+def sft_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:
+    """Negative log-likelihood of the trained tokens (advantages are ignored)."""
+    logp = token_logprobs(logits, batch.input_ids)
+    return LossResult(-masked_mean(logp, trained_mask(batch)), {})
+
+
+LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "sft": sft_loss}
+
+
+def get_loss(name: str) -> LossFn:
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; available: {', '.join(LOSSES)}")
+    return LOSSES[name]
