@@ -27,6 +27,8 @@ from shared.redis_server import RedisServer
 
 FOLLOWER_ID = "up-follower"
 STOP_GRACE_S = 20.0
+PRODUCER_INTERVAL_S = 0.25
+"""The stand-in producer's pace: slow enough to watch versions follow the steps."""
 
 
 class StackFailure(RuntimeError):
@@ -54,6 +56,7 @@ class Progress:
 
     published: list[dict] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
+    trainer_started: bool = False
     step: int = 0
     follower_version: int = 0
 
@@ -85,22 +88,26 @@ class Stack:
             "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
             "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
         }
-        self.base_argv = [sys.executable, "-m", "shared.cli"]
-        if config_file is not None:
-            self.base_argv += ["--config", str(config_file)]
+        self.config_args = [] if config_file is None else ["--config", str(config_file)]
 
     def start(self, name: str, args: list[str], may_finish: bool = False) -> None:
+        """Run ``weightcast <args>`` as the process ``name``, with the run's settings."""
+        command, *flags = args
+        argv = [sys.executable, "-m", "shared.cli", command, *self.config_args, *flags]
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
-                [*self.base_argv, *args],
+                argv,
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.children.append(Child(name, process, log_path, may_finish))
+
+    def started(self, name: str) -> bool:
+        return any(child.name == name for child in self.children)
 
     def check(self) -> bool:
         """True once the trainer finished; raises :class:`StackFailure` on any failure."""
@@ -132,13 +139,17 @@ class Stack:
                 child.process.wait()
 
     def observe(self, pubsub: redis.client.PubSub, progress: Progress) -> None:
-        while message := pubsub.get_message(ignore_subscribe_messages=True, timeout=0.2):
+        while message := pubsub.get_message(timeout=0.2):
+            if message["type"] != "message":
+                continue
             event = json.loads(message["data"])
             if event["event"] == "published":
                 progress.published.append(event)
             elif event["event"] == "evicted":
                 progress.evicted.append(event["version"])
-        progress.step = int(self.redis.hget(self.keys.trainer_heartbeat, "step") or 0)
+        step = self.redis.hget(self.keys.trainer_heartbeat, "step")
+        progress.trainer_started = step is not None
+        progress.step = int(step or 0)
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
         progress.follower_version = json.loads(node)["version"] if node else 0
 
@@ -179,24 +190,22 @@ def run_up(
         stack.start(
             "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
         )
-        stack.start(
-            "producer",
-            [
-                "produce",
-                "--count",
-                str(steps),
-                "--interval",
-                "0.2",
-                "--vocab-size",
-                str(model.vocab_size),
-            ],
-            may_finish=True,
-        )
+        producer = [
+            "produce",
+            "--count",
+            str(steps),
+            "--interval",
+            str(PRODUCER_INTERVAL_S),
+            "--vocab-size",
+            str(model.vocab_size),
+        ]
         shown = ""
         try:
             while True:
                 trainer_done = stack.check()
                 stack.observe(pubsub, progress)
+                if progress.trainer_started and not stack.started("producer"):
+                    stack.start("producer", producer, may_finish=True)
                 state = progress.describe(steps)
                 if state != shown:
                     print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)

@@ -145,6 +145,7 @@ class Trainer(ForgeEngine):
             publish_every=self.cfg.publish_every,
             device=str(self.device),
         )
+        self._heartbeat()
         while not (steps and self.step >= steps) and not self.stop_requested:
             item = self.batches.next(lambda: self.stop_requested)
             if item is None:

@@ -1,0 +1,180 @@
+"""Readers against a real redis-server and real version directories: leases, checks, waits."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from publisher.converter import convert
+from publisher.eviction import Evictor
+from publisher.registry import Registry
+from publisher.snapshot_reader import Snapshot
+from shared.keys import Keys
+from shared.manifest import verify_files
+from shared.snapshots import SnapshotInfo
+from shared.weights_client import VersionGone, WeightsClient, WeightsError
+
+from helpers import REPO, shape_of, write_snapshot
+
+SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
+
+
+class Deployment:
+    """A publisher's registry and evictor plus a weights directory, driven step by step."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, root: Path) -> None:
+        self.client, self.keys, self.root = client, keys, root
+        self.registry = Registry(client, keys)
+        self.evictor = Evictor(client, keys, root / "weights", keep=2)
+        self.step = 0
+
+    def publish(self) -> int:
+        self.step += 1
+        path = write_snapshot(self.root / "checkpoints", self.step, SHAPE)
+        snapshot = Snapshot(path, SnapshotInfo.read(path))
+        version = self.registry.allocate_version()
+        published = convert(snapshot, self.root / "weights", version, tp=1)
+        fields = {
+            "path": published.path,
+            "step": self.step,
+            "layout": "vllm-fused",
+            "tp": 1,
+            "dtype": "bfloat16",
+            "bytes": published.manifest.total_bytes,
+            "created_at": time.time(),
+            "manifest_sha256": published.manifest_sha256,
+            "run_id": "test-run",
+        }
+        assert self.registry.register(version, snapshot.info.snapshot_id, fields, {})
+        self.evictor.run()
+        return version
+
+    def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
+        return WeightsClient(
+            self.client, self.keys, node_id, self.root / "weights", lease_seconds=lease_seconds
+        )
+
+
+@pytest.fixture
+def deployment(client: redis.Redis, keys: Keys, tmp_path: Path) -> Deployment:
+    return Deployment(client, keys, tmp_path)
+
+
+def test_a_leased_version_outlives_newer_versions_until_released(deployment: Deployment) -> None:
+    deployment.publish()
+    deployment.publish()
+    reader = deployment.reader(lease_seconds=1.0)  # renewed by the client while held
+    with reader.lease(1) as info:
+        for _ in range(3):
+            deployment.publish()
+            time.sleep(0.5)
+        # Three newer versions and several eviction passes later v1 is still whole.
+        assert 1 in deployment.registry.live_versions()
+        manifest = reader.open(info)
+        assert len(reader.load(info, manifest)) == len(manifest.tensors)
+    assert deployment.registry.live_versions() == [1, 4, 5]
+    deployment.evictor.run()
+    assert deployment.registry.live_versions() == [4, 5]
+    assert not (deployment.root / "weights" / "v1").exists()
+    assert sorted(p.name for p in (deployment.root / "weights").iterdir()) == ["v4", "v5"]
+
+
+def test_an_evicted_version_cannot_be_leased(deployment: Deployment) -> None:
+    for _ in range(3):
+        deployment.publish()
+    with pytest.raises(VersionGone), deployment.reader().lease(1):
+        pass
+
+
+def test_the_lease_of_a_killed_reader_expires(
+    deployment: Deployment, redis_server, keys: Keys
+) -> None:
+    deployment.publish()
+    deployment.publish()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+        import redis, time
+        from shared.keys import Keys
+        from shared.weights_client import WeightsClient
+        client = WeightsClient(
+            redis.Redis.from_url({redis_server.url!r}), Keys({keys.namespace!r}),
+            "doomed-node", {str(deployment.root / "weights")!r}, lease_seconds=1.5,
+        )
+        with client.lease(1):
+            print("leased", flush=True)
+            time.sleep(600)
+    """),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "leased"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deployment.publish()
+    assert 1 in deployment.registry.live_versions()  # the lease has not expired yet
+    deadline = time.monotonic() + 10
+    while 1 in deployment.registry.live_versions():
+        assert time.monotonic() < deadline, "the dead reader's lease never expired"
+        time.sleep(0.2)
+        deployment.evictor.run()
+    assert not (deployment.root / "weights" / "v1").exists()
+
+
+def test_a_path_outside_the_weights_root_is_refused(deployment: Deployment, tmp_path: Path) -> None:
+    deployment.publish()
+    deployment.client.hset(deployment.keys.version(1), "path", str(tmp_path / "elsewhere"))
+    reader = deployment.reader()
+    with reader.lease(1) as info, pytest.raises(WeightsError, match="outside the weights root"):
+        reader.open(info)
+
+
+def test_a_corrupted_file_fails_verification_naming_the_file(deployment: Deployment) -> None:
+    deployment.publish()
+    weights = deployment.root / "weights" / "v1" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    reader = deployment.reader()
+    with reader.lease(1) as info, pytest.raises(WeightsError, match=r"model\.safetensors: sha256"):
+        reader.open(info)
+
+
+def test_wait_for_newer_wakes_on_the_event_and_survives_a_lost_one(
+    deployment: Deployment,
+) -> None:
+    reader = deployment.reader()
+    assert reader.wait_for_newer(0, timeout=0.3, poll=0.1) is None
+    threading.Timer(0.3, deployment.publish).start()
+    start = time.monotonic()
+    assert reader.wait_for_newer(0, timeout=20, poll=10) == 1  # the pub/sub event wakes it
+    assert time.monotonic() - start < 8
+    # A version whose event never arrives (latest set without PUBLISH) is still found by polling.
+    deployment.client.set(deployment.keys.latest, 2)
+    assert reader.wait_for_newer(1, timeout=5, poll=0.2) == 2
+
+
+def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
+    deployment.publish()
+    reader = deployment.reader()
+    assert reader.latest() == 1
+    with reader.lease(1) as info:
+        manifest = reader.open(info)
+        verify_files(info.path, manifest)
+        tensors = reader.load(info, manifest)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
+    reader.report_loaded(1)
+    assert b"node-a" in deployment.client.hkeys(deployment.keys.nodes)
+    assert deployment.client.zcard(deployment.keys.leases(1)) == 0  # released on exit
