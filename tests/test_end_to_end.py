@@ -112,3 +112,19 @@ def test_versions_flow_from_trainer_to_redis_and_disk(
     # Published and skipped snapshots were pruned to the newest two; no temp directories.
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert checkpoints == [f"step-{STEPS - PUBLISH_EVERY}", f"step-{STEPS}"]
+
+    # The operator's view agrees with what happened.
+    status = run_weightcast(cli_env, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    view = json.loads(status.stdout)
+    assert view["latest"] == versions[-1]
+    assert [v["version"] for v in view["versions"]] == newest
+    assert view["trainer"]["step"] == str(STEPS)
+    assert view["stream"] == {
+        "length": STEPS + STEPS // 5,
+        "pending": 0,
+        "undelivered": 0,
+        "dead_letters": STEPS // 5,
+    }
+    table = run_weightcast(cli_env, "status").stdout
+    assert f"latest version: {versions[-1]}" in table and "2 dead-lettered" in table

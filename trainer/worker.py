@@ -83,7 +83,7 @@ class Trainer(ForgeEngine):
         self.cfg = cfg
         self.step = 0
         self.stop_requested = False
-        self.run_id = cfg.run_id or uuid.uuid4().hex[:12]
+        self.run_id = cfg.run_id or self._new_run_id()
         self.consumer = cfg.consumer or f"{socket.gethostname()}-{os.getpid()}"
         if self.dp_degree > 1:
             self.consumer = f"{self.consumer}-dp{self.dp_rank}"
@@ -174,7 +174,16 @@ class Trainer(ForgeEngine):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = state_dict["step"]
 
+    def _new_run_id(self) -> str:
+        """A fresh run id, rank 0's on every rank (sent as a tensor, not pickled)."""
+        token = torch.tensor(list(uuid.uuid4().bytes[:6]), dtype=torch.uint8, device=self.device)
+        if torch.distributed.get_world_size() > 1:
+            torch.distributed.broadcast(token, src=0)
+        return bytes(token.tolist()).hex()
+
     def _heartbeat(self) -> None:
+        if torch.distributed.get_rank() != 0:
+            return
         self.redis.hset(
             self.keys.trainer_heartbeat,
             mapping={
