@@ -138,6 +138,48 @@ class Stack:
                 child.process.kill()
                 child.process.wait()
 
+    def run(
+        self, steps: int, publish_every: int, vocab_size: int, started: float, timeout: float
+    ) -> Progress:
+        """Start the processes and watch them until done; raises :class:`StackFailure`."""
+        pubsub = self.redis.pubsub()
+        pubsub.subscribe(self.keys.events)
+        self.start("publisher", ["publisher", "--rescan-seconds", "1"])
+        self.start("follower", ["follow", "--node-id", FOLLOWER_ID, "--poll-seconds", "1"])
+        self.start(
+            "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
+        )
+        producer = [
+            "produce",
+            "--count",
+            str(steps),
+            "--interval",
+            str(PRODUCER_INTERVAL_S),
+            "--vocab-size",
+            str(vocab_size),
+        ]
+        progress = Progress()
+        shown = ""
+        while True:
+            trainer_done = self.check()
+            self.observe(pubsub, progress)
+            if progress.trainer_started and not self.started("producer"):
+                self.start("producer", producer, may_finish=True)
+            state = progress.describe(steps)
+            if state != shown:
+                print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
+                shown = state
+            final = progress.published[-1] if progress.published else None
+            if (
+                trainer_done
+                and final
+                and final["step"] == steps
+                and progress.follower_version == final["version"]
+            ):
+                return progress
+            if time.monotonic() - started > timeout:
+                raise StackFailure(f"not done after {timeout:.0f}s: {state}")
+
     def observe(self, pubsub: redis.client.PubSub, progress: Progress) -> None:
         while message := pubsub.get_message(timeout=0.2):
             if message["type"] != "message":
@@ -163,72 +205,51 @@ def run_up(
     timeout: float,
     config_file: Path | None = None,
 ) -> int:
-    """Run the pipeline for ``steps`` training steps; the process exit code."""
+    """Run the pipeline for ``steps`` training steps; the process exit code.
+
+    With ``redis_url`` (a server that may hold other data) the run gets a namespace of its
+    own, ``up-<time>``, so that it cannot touch a real deployment's keys.
+    """
     from trainer.model import flavor_args  # torchtitan is only needed to size the producer
 
-    model = flavor_args(config.trainer.model)
-    run_dir = workdir.resolve() / time.strftime("%Y%m%d-%H%M%S")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = workdir.resolve() / stamp
     run_dir.mkdir(parents=True)
-    started = time.monotonic()
+    if redis_url is not None:
+        config.common.namespace = f"up-{stamp}"
     print(
         f"weightcast up: {steps} steps of {config.trainer.model}, a snapshot every "
         f"{publish_every}; files in {run_dir}",
         flush=True,
     )
-    with contextlib.ExitStack() as resources:
-        if redis_url is None:
-            server = resources.enter_context(RedisServer(run_dir / "redis"))
-            redis_url = server.url
-            print(f"started a private redis-server at {redis_url}", flush=True)
-        stack = Stack(config, run_dir, redis_url, config_file)
-        resources.callback(stack.stop_all)
-        pubsub = stack.redis.pubsub()
-        pubsub.subscribe(stack.keys.events)
-        progress = Progress()
-        stack.start("publisher", ["publisher", "--rescan-seconds", "1"])
-        stack.start("follower", ["follow", "--node-id", FOLLOWER_ID, "--poll-seconds", "1"])
-        stack.start(
-            "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
-        )
-        producer = [
-            "produce",
-            "--count",
-            str(steps),
-            "--interval",
-            str(PRODUCER_INTERVAL_S),
-            "--vocab-size",
-            str(model.vocab_size),
-        ]
-        shown = ""
-        try:
-            while True:
-                trainer_done = stack.check()
-                stack.observe(pubsub, progress)
-                if progress.trainer_started and not stack.started("producer"):
-                    stack.start("producer", producer, may_finish=True)
-                state = progress.describe(steps)
-                if state != shown:
-                    print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
-                    shown = state
-                final = progress.published[-1] if progress.published else None
-                if (
-                    trainer_done
-                    and final
-                    and final["step"] == steps
-                    and progress.follower_version == final["version"]
-                ):
-                    break
-                if time.monotonic() - started > timeout:
-                    raise StackFailure(f"not done after {timeout:.0f}s: {state}")
-        except StackFailure as exc:
-            print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
-            return 1
-        except KeyboardInterrupt:
-            print("interrupted: stopping every process weightcast up started", flush=True)
-            return 130
-        dead = stack.redis.xlen(stack.keys.dead_letters)
+    started = time.monotonic()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with contextlib.ExitStack() as resources:
+            if redis_url is None:
+                redis_url = resources.enter_context(RedisServer(run_dir / "redis")).url
+                print(f"started a private redis-server at {redis_url}", flush=True)
+            else:
+                print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
+            stack = Stack(config, run_dir, redis_url, config_file)
+            resources.callback(stack.stop_all)
+            vocab_size = flavor_args(config.trainer.model).vocab_size
+            progress = stack.run(steps, publish_every, vocab_size, started, timeout)
+            dead = stack.redis.xlen(stack.keys.dead_letters)
+    except StackFailure as exc:
+        print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: stopped every process weightcast up started", flush=True)
+        return 130
     print(summary(progress, steps, time.monotonic() - started, dead, run_dir), flush=True)
     return 0
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    """SIGTERM stops ``up`` the way Ctrl-C does: every process it started is stopped."""
+    raise KeyboardInterrupt
 
 
 def summary(

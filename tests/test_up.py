@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from helpers import run_weightcast
+from helpers import REPO, run_weightcast, weightcast
 
 pytestmark = pytest.mark.slow
 
@@ -72,3 +74,24 @@ def test_up_stops_everything_and_names_the_process_that_failed(tmp_path: Path) -
     assert "Optimizer NoSuchOptimizer not added" in result.stderr  # the log's last lines
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert processes_mentioning(str(run_dir)) == []  # publisher, node, redis all stopped
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_ctrl_c_or_sigterm_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCAST_")}
+    up = subprocess.Popen(
+        weightcast("up", "--steps", "500", "--workdir", str(tmp_path)),
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for line in up.stdout:
+        if "published v1 " in line:  # all processes are up and a version went through
+            break
+    up.send_signal(sig)
+    assert up.wait(timeout=60) == 130
+    assert "interrupted: stopped every process weightcast up started" in up.stdout.read()
+    (run_dir,) = tmp_path.iterdir()
+    assert processes_mentioning(str(run_dir)) == []

@@ -12,6 +12,7 @@ import signal
 import socket
 import time
 import uuid
+import warnings
 from typing import Any
 
 import redis
@@ -34,6 +35,13 @@ log = get_logger("trainer")
 
 UNBOUNDED_STEPS = 10**9
 """The LR schedule's horizon when training runs until stopped."""
+
+_CPU_NOISE = (
+    "DTensor random operators may not have complete support on cpu",
+    "DTensor manual_seed\\(\\) may not have complete support on cpu",
+    "In CPU autocast, but the target dtype is not supported",
+)
+"""torchtitan's warnings on every CPU start; they say nothing the user can act on."""
 
 
 def build_job_config(cfg: TrainerConfig) -> ForgeJobConfig:
@@ -76,6 +84,8 @@ class Trainer(ForgeEngine):
         cfg = config.trainer
         if cfg.publish_every < 1:
             raise ConfigError(f"trainer.publish_every must be >= 1, got {cfg.publish_every}")
+        for message in _CPU_NOISE:
+            warnings.filterwarnings("ignore", message=message)
         register_train_spec()
         flavor = flavor_args(cfg.model)
         _default_dist_env()
@@ -123,12 +133,13 @@ class Trainer(ForgeEngine):
             self.job_config.training.max_norm,
             foreach=True,
         )
+        lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]  # the rate this step uses
         self.optimizers.step()
         self.lr_schedulers.step()
         return {
             "loss": result.loss.item(),
             "grad_norm": grad_norm.item(),
-            "lr": self.lr_schedulers.schedulers[0].get_last_lr()[0],
+            "lr": lr,
             **result.metrics,
         }
 
