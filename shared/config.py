@@ -53,7 +53,6 @@ class TrainerConfig:
     run_id: str = ""
     """Identifies this training run in snapshots and versions; empty means a fresh one."""
     block_ms: int = 1000
-    device: str = "auto"
     seed: int = 0
     titan: dict[str, dict[str, Any]] = field(default_factory=dict)
     """torchtitan job config overrides by section (``optimizer``, ``lr_scheduler``...)."""
