@@ -46,7 +46,7 @@ def test_versions_flow_from_trainer_to_redis_and_disk(
     )
     try:
         produced = run_weightcast(
-            cli_env, "produce", "--count", str(STEPS), "--invalid-every", "5", "--interval", "0.3"
+            cli_env, "produce", "--count", str(STEPS), "--invalid-every", "5", "--interval", "0.5"
         )
         assert produced.returncode == 0, produced.stderr
         assert trainer.wait(timeout=180) == 0, (logs / "trainer.log").read_text()

@@ -71,11 +71,11 @@ def deployment(client: redis.Redis, keys: Keys, tmp_path: Path) -> Deployment:
 def test_a_leased_version_outlives_newer_versions_until_released(deployment: Deployment) -> None:
     deployment.publish()
     deployment.publish()
-    reader = deployment.reader(lease_seconds=1.0)  # renewed by the client while held
+    reader = deployment.reader(lease_seconds=3.0)  # renewed by the client while held
     with reader.lease(1) as info:
         for _ in range(3):
             deployment.publish()
-            time.sleep(0.5)
+            time.sleep(1.5)  # held 4.5 s in all: alive only because it is renewed
         # Three newer versions and several eviction passes later v1 is still whole.
         assert 1 in deployment.registry.live_versions()
         manifest = reader.open(info)
@@ -109,7 +109,7 @@ def test_the_lease_of_a_killed_reader_expires(
         from shared.weights_client import WeightsClient
         client = WeightsClient(
             redis.Redis.from_url({redis_server.url!r}), Keys({keys.namespace!r}),
-            "doomed-node", {str(deployment.root / "weights")!r}, lease_seconds=1.5,
+            "doomed-node", {str(deployment.root / "weights")!r}, lease_seconds=5,
         )
         with client.lease(1):
             print("leased", flush=True)
@@ -125,7 +125,7 @@ def test_the_lease_of_a_killed_reader_expires(
     holder.wait()
     deployment.publish()
     assert 1 in deployment.registry.live_versions()  # the lease has not expired yet
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 20
     while 1 in deployment.registry.live_versions():
         assert time.monotonic() < deadline, "the dead reader's lease never expired"
         time.sleep(0.2)
