@@ -12,6 +12,7 @@ import redis
 
 from shared.config import Config, ConfigError, add_flag, flag_overrides, load_config
 from shared.logs import configure_logging
+from shared.stack import UpOptions
 
 COMMANDS = {
     "up": "run the whole pipeline locally (private redis-server, tiny model, CPU) and exit",
@@ -33,39 +34,63 @@ def build_parser() -> argparse.ArgumentParser:
     commands = {
         name: sub.add_parser(name, help=text, description=text) for name, text in COMMANDS.items()
     }
-    for command in commands.values():
+    for name, command in commands.items():
         command.add_argument(
             "--config",
             type=Path,
             metavar="FILE",
             help="TOML settings file (flags and WEIGHTCAST_* env override it)",
         )
-        add_flag(command, "redis_url", "--redis-url", help="Redis to use")
+        if name == "up":
+            command.add_argument(
+                "--redis-url",
+                dest="redis_url",
+                default=argparse.SUPPRESS,
+                help="use this Redis (under the namespace up-<time> unless "
+                "--namespace is given) instead of a private redis-server",
+            )
+        else:
+            add_flag(command, "redis_url", "--redis-url", help="Redis to use")
         add_flag(command, "namespace", "--namespace", help="key namespace (hash tag)")
-        add_flag(command, "checkpoint_dir", "--checkpoint-dir", help="snapshot directory")
-        add_flag(command, "weights_dir", "--weights-dir", help="published versions directory")
+        if name != "up":  # up keeps every file of a run in the run's own directory
+            add_flag(command, "checkpoint_dir", "--checkpoint-dir", help="snapshot directory")
+            add_flag(command, "weights_dir", "--weights-dir", help="published versions directory")
         add_flag(command, "log_format", "--log-format", help="text or json")
         add_flag(command, "log_level", "--log-level", help="DEBUG, INFO, WARNING...")
 
     up = commands["up"]
-    up.add_argument("--steps", type=int, default=20, help="training steps (default: 20)")
+    defaults = UpOptions()
     up.add_argument(
-        "--publish-every", type=int, default=2, help="snapshot every K steps (default: 2)"
+        "--steps", type=int, default=defaults.steps, help="training steps (default: %(default)s)"
+    )
+    up.add_argument(
+        "--publish-every",
+        type=int,
+        default=defaults.publish_every,
+        help="snapshot every K steps (default: %(default)s)",
     )
     up.add_argument(
         "--workdir",
         type=Path,
-        default=Path(".weightcast/runs"),
-        help="where each run gets its directory (default: .weightcast/runs)",
+        default=defaults.workdir,
+        help="each run gets a directory here (default: %(default)s)",
     )
     up.add_argument(
-        "--timeout", type=float, default=900, help="give up after this many seconds (default: 900)"
+        "--timeout",
+        type=float,
+        default=defaults.timeout,
+        help="give up after this many seconds (default: %(default)s)",
     )
 
     trainer = commands["trainer"]
     add_flag(trainer, "trainer.model", "--model", help="Qwen3 flavor")
     add_flag(trainer, "trainer.steps", "--steps", help="optimizer steps, 0 = until stopped")
-    add_flag(trainer, "trainer.publish_every", "--publish-every", help="snapshot every K steps")
+    add_flag(
+        trainer,
+        "trainer.publish_every",
+        "--publish-every",
+        help="snapshot every K steps (default: %(default)s)",
+    )
     add_flag(trainer, "trainer.seq_len", "--seq-len", help="longest batch, in tokens")
     add_flag(trainer, "trainer.loss", "--loss", help="grpo or sft")
     add_flag(trainer, "trainer.consumer", "--consumer", help="consumer name in group trainer")
@@ -131,16 +156,17 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     if args.command == "up":
         from shared.stack import run_up
 
-        explicit_url = vars(args).get("redis_url")
-        return run_up(
-            config,
-            args.steps,
-            args.publish_every,
-            args.workdir,
-            explicit_url,
-            args.timeout,
-            args.config,
+        given = vars(args)
+        options = UpOptions(
+            steps=args.steps,
+            publish_every=args.publish_every,
+            workdir=args.workdir,
+            timeout=args.timeout,
+            redis_url=given.get("redis_url"),
+            own_namespace="redis_url" in given and "namespace" not in given,
+            config_file=args.config,
         )
+        return run_up(config, options)
     if args.command == "trainer":
         from trainer.worker import run_trainer
 

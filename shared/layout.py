@@ -229,9 +229,12 @@ def plan_vllm_fused(
 
 
 def assemble(tensor: FusedTensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Materialise ``tensor`` from the source tensors it is made of."""
+    """Materialise ``tensor`` from the source tensors it is made of.
+
+    A tensor made of one whole source is that source itself (no copy); treat it as read-only.
+    """
     parts = [sources[p.source][p.start : p.stop] for p in tensor.pieces]
-    return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
 def unfuse(

@@ -196,30 +196,32 @@ class Stack:
         progress.follower_version = json.loads(node)["version"] if node else 0
 
 
-def run_up(
-    config: Config,
-    steps: int,
-    publish_every: int,
-    workdir: Path,
-    redis_url: str | None,
-    timeout: float,
-    config_file: Path | None = None,
-) -> int:
-    """Run the pipeline for ``steps`` training steps; the process exit code.
+@dataclass(frozen=True)
+class UpOptions:
+    steps: int = 20
+    publish_every: int = 2
+    workdir: Path = Path(".weightcast/runs")
+    timeout: float = 900.0
+    redis_url: str | None = None
+    """A server to use instead of a private one."""
+    own_namespace: bool = False
+    """Use a namespace of this run's own, ``up-<time>`` (on a server that may hold others)."""
+    config_file: Path | None = None
 
-    With ``redis_url`` (a server that may hold other data) the run gets a namespace of its
-    own, ``up-<time>``, so that it cannot touch a real deployment's keys.
-    """
+
+def run_up(config: Config, options: UpOptions) -> int:
+    """Run the pipeline for ``options.steps`` training steps; the process exit code."""
     from trainer.model import flavor_args  # torchtitan is only needed to size the producer
 
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = workdir.resolve() / stamp
+    run_dir = options.workdir.resolve() / stamp
     run_dir.mkdir(parents=True)
-    if redis_url is not None:
+    if options.own_namespace:
         config.common.namespace = f"up-{stamp}"
+    steps, redis_url = options.steps, options.redis_url
     print(
         f"weightcast up: {steps} steps of {config.trainer.model}, a snapshot every "
-        f"{publish_every}; files in {run_dir}",
+        f"{options.publish_every}; files in {run_dir}",
         flush=True,
     )
     started = time.monotonic()
@@ -232,10 +234,10 @@ def run_up(
                 print(f"started a private redis-server at {redis_url}", flush=True)
             else:
                 print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
-            stack = Stack(config, run_dir, redis_url, config_file)
+            stack = Stack(config, run_dir, redis_url, options.config_file)
             resources.callback(stack.stop_all)
             vocab_size = flavor_args(config.trainer.model).vocab_size
-            progress = stack.run(steps, publish_every, vocab_size, started, timeout)
+            progress = stack.run(steps, options.publish_every, vocab_size, started, options.timeout)
             dead = stack.redis.xlen(stack.keys.dead_letters)
     except StackFailure as exc:
         print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
