@@ -63,7 +63,8 @@ def flavor_args(name: str) -> Qwen3ModelArgs:
 def register_train_spec() -> None:
     """Register ``weightcast_qwen3`` with ForgeEngine: torchtitan's qwen3 spec, our flavors."""
     base = forge_specs.get_train_spec("qwen3")
-    spec = dataclasses.replace(base, model_cls=TiedQwen3Model, model_args=flavors())
+    # A private copy: ForgeEngine writes training settings into the args it is given.
+    spec = dataclasses.replace(base, model_cls=TiedQwen3Model, model_args=copy.deepcopy(flavors()))
     with contextlib.suppress(ValueError):  # already registered in this process
         forge_specs.register_train_spec(TRAIN_SPEC_NAME, spec)
 
