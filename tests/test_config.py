@@ -80,3 +80,11 @@ def test_bad_settings_name_their_source(tmp_path: Path, text: str, env: dict, me
     with pytest.raises(ConfigError) as error:
         load_config(write(tmp_path, text), env=env)
     assert message in str(error.value)
+
+
+def test_the_readme_example_is_a_valid_config(tmp_path: Path) -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
+    config = load_config(write(tmp_path, example), env={})
+    assert config.trainer.model == "0.6B" and config.publisher.tp == 2
+    assert config.trainer.titan == {"optimizer": {"lr": 1e-6}}
