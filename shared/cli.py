@@ -85,12 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     trainer = commands["trainer"]
     add_flag(trainer, "trainer.model", "--model", help="Qwen3 flavor")
     add_flag(trainer, "trainer.steps", "--steps", help="optimizer steps, 0 = until stopped")
-    add_flag(
-        trainer,
-        "trainer.publish_every",
-        "--publish-every",
-        help="snapshot every K steps (default: %(default)s)",
-    )
+    add_flag(trainer, "trainer.publish_every", "--publish-every", help="snapshot every K steps")
     add_flag(trainer, "trainer.seq_len", "--seq-len", help="longest batch, in tokens")
     add_flag(trainer, "trainer.loss", "--loss", help="grpo or sft")
     add_flag(trainer, "trainer.consumer", "--consumer", help="consumer name in group trainer")

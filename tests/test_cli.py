@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from shared.cli import COMMANDS, build_parser
 from shared.redis_server import free_port
 
 from helpers import run_weightcast
@@ -27,3 +30,11 @@ def test_bad_settings_are_a_configuration_error() -> None:
     result = run_weightcast(env, "publisher", timeout=60)
     assert result.returncode == 2
     assert "configuration error: $WEIGHTCAST_PUBLISHER_TP" in result.stderr
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([command, "--help"])
+    assert exited.value.code == 0
+    assert "--config FILE" in capsys.readouterr().out
