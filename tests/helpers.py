@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -98,6 +99,11 @@ def write_snapshot(
     (path / "config.json").write_text(json.dumps(hf_config(shape)))
     SnapshotInfo(uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test").write(path)
     return path
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without WEIGHTCAST_* settings, as a new user's shell."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCAST_")}
 
 
 def weightcast(*args: str) -> list[str]:

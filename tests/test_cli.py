@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from shared.cli import COMMANDS, build_parser
 from shared.redis_server import free_port
 
-from helpers import run_weightcast
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCAST_")}
+from helpers import clean_env, run_weightcast
 
 
 def test_unreachable_redis_is_reported_with_what_to_do() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, run_weightcast, weightcast
+from helpers import REPO, clean_env, run_weightcast, weightcast
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 def test_up_trains_publishes_and_loads_then_summarises(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCAST_")}
+    env = clean_env()
     result = run_weightcast(
         env, "up", "--steps", "6", "--publish-every", "2", "--workdir", str(tmp_path), timeout=600
     )
@@ -57,7 +57,7 @@ def test_up_trains_publishes_and_loads_then_summarises(tmp_path: Path) -> None:
 def test_up_stops_everything_and_names_the_process_that_failed(tmp_path: Path) -> None:
     config = tmp_path / "broken.toml"
     config.write_text('[trainer.optimizer]\nname = "NoSuchOptimizer"\n')
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCAST_")}
+    env = clean_env()
     result = run_weightcast(
         env,
         "up",
@@ -78,7 +78,7 @@ def test_up_stops_everything_and_names_the_process_that_failed(tmp_path: Path) -
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_ctrl_c_or_sigterm_stops_every_process(tmp_path: Path, sig: signal.Signals) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCAST_")}
+    env = clean_env()
     up = subprocess.Popen(
         weightcast("up", "--steps", "500", "--workdir", str(tmp_path), "--timeout", "120"),
         env=env,
