@@ -13,13 +13,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from publisher.converter import convert
-from publisher.eviction import Evictor
-from publisher.registry import Registry
-from publisher.snapshot_reader import Snapshot
+from publisher.daemon import Publisher
+from shared.config import load_config
 from shared.keys import Keys
 from shared.manifest import verify_files
-from shared.snapshots import SnapshotInfo
+from shared.redis_server import RedisServer
 from shared.weights_client import VersionGone, WeightsClient, WeightsError
 
 from helpers import REPO, shape_of, write_snapshot
@@ -28,34 +26,26 @@ SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
 
 
 class Deployment:
-    """A publisher's registry and evictor plus a weights directory, driven step by step."""
+    """The real publisher, driven one snapshot at a time, plus readers of its versions."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, root: Path) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, root: Path, redis_url: str) -> None:
         self.client, self.keys, self.root = client, keys, root
-        self.registry = Registry(client, keys)
-        self.evictor = Evictor(client, keys, root / "weights", keep=2)
+        settings = {
+            "redis_url": redis_url,
+            "namespace": keys.namespace,
+            "checkpoint_dir": root / "checkpoints",
+            "weights_dir": root / "weights",
+        }
+        self.publisher = Publisher(load_config(env={}, overrides=settings))
+        self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
         self.step = 0
 
     def publish(self) -> int:
+        """Write the next snapshot and run one publisher pass: publish, evict, prune."""
         self.step += 1
-        path = write_snapshot(self.root / "checkpoints", self.step, SHAPE)
-        snapshot = Snapshot(path, SnapshotInfo.read(path))
-        version = self.registry.allocate_version()
-        published = convert(snapshot, self.root / "weights", version, tp=1)
-        fields = {
-            "path": published.path,
-            "step": self.step,
-            "layout": "vllm-fused",
-            "tp": 1,
-            "dtype": "bfloat16",
-            "bytes": published.manifest.total_bytes,
-            "created_at": time.time(),
-            "manifest_sha256": published.manifest_sha256,
-            "run_id": "test-run",
-        }
-        assert self.registry.register(version, snapshot.info.snapshot_id, fields, {})
-        self.evictor.run()
-        return version
+        write_snapshot(self.root / "checkpoints", self.step, SHAPE)
+        self.publisher.scan_once()
+        return int(self.client.get(self.keys.latest))
 
     def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
         return WeightsClient(
@@ -64,8 +54,10 @@ class Deployment:
 
 
 @pytest.fixture
-def deployment(client: redis.Redis, keys: Keys, tmp_path: Path) -> Deployment:
-    return Deployment(client, keys, tmp_path)
+def deployment(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
+) -> Deployment:
+    return Deployment(client, keys, tmp_path, redis_server.url)
 
 
 def test_a_leased_version_outlives_newer_versions_until_released(deployment: Deployment) -> None:
