@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(trainer, "trainer.loss", "--loss", help="grpo or sft")
     add_flag(trainer, "trainer.consumer", "--consumer", help="consumer name in group trainer")
     add_flag(trainer, "trainer.run_id", "--run-id", help="run id written into snapshots")
+    add_flag(trainer, "trainer.metrics_port", "--metrics-port", help="/metrics and /healthz port")
 
     publisher = commands["publisher"]
     add_flag(publisher, "publisher.tp", "--tp", help="inference tensor-parallel degree")
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_flag(publisher, "publisher.poll", "--poll", help="polling observer (NFS)")
     add_flag(publisher, "publisher.once", "--once", help="publish what is complete, then exit")
+    add_flag(
+        publisher, "publisher.metrics_port", "--metrics-port", help="/metrics and /healthz port"
+    )
 
     produce = commands["produce"]
     add_flag(produce, "produce.count", "--count", help="batches to push")

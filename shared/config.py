@@ -54,6 +54,8 @@ class TrainerConfig:
     """Identifies this training run in snapshots and versions; empty means a fresh one."""
     block_ms: int = 1000
     seed: int = 0
+    metrics_port: int = 0
+    """Serve Prometheus ``/metrics`` and ``/healthz`` on this port; 0 keeps it off."""
     titan: dict[str, dict[str, Any]] = field(default_factory=dict)
     """torchtitan job config overrides by section (``optimizer``, ``lr_scheduler``...)."""
 
@@ -67,6 +69,8 @@ class PublisherConfig:
     """Use watchdog's PollingObserver (for NFS and other network filesystems)."""
     once: bool = False
     """Publish what is complete at start, then exit (for scripts and tests)."""
+    metrics_port: int = 0
+    """Serve Prometheus ``/metrics`` and ``/healthz`` on this port; 0 keeps it off."""
 
 
 @dataclass
