@@ -19,7 +19,7 @@ Everything else keeps its HF name and value, and a tied ``lm_head`` is not writt
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -279,6 +279,54 @@ def unfuse(
         name: torch.cat([block for _, block in sorted(blocks.items())])
         for name, blocks in sources.items()
     }
+
+
+VOCAB_PADDING = 64
+"""vLLM pads the vocabulary to a multiple of this before splitting it over ranks."""
+
+
+@dataclass(frozen=True)
+class RankSlice:
+    """Rank ``r``'s part of a tensor: indices ``[start, stop)`` along ``dim``."""
+
+    dim: int
+    start: int
+    stop: int
+
+
+def rank_slice(
+    shard: Mapping[str, Any], shape: Sequence[int], rank: int, tp: int
+) -> RankSlice | None:
+    """Which part of a published tensor vLLM's tensor-parallel rank ``rank`` holds.
+
+    ``shard`` is the tensor's manifest shard spec and ``shape`` its full published shape.
+    None means the rank holds all of it (replicated). Fused tensors were laid out for one tp
+    and cannot serve another. Vocab-parallel tensors follow ``VocabParallelEmbedding``: the
+    vocabulary padded to a multiple of 64, split evenly, the padding rows absent here.
+    """
+    if not 0 <= rank < tp:
+        raise LayoutError(f"rank {rank} is outside tp={tp}")
+    kind = shard.get("kind")
+    if kind in ("qkv", "gate_up"):
+        if shard["tp"] != tp:
+            raise LayoutError(f"a tensor fused for tp={shard['tp']} cannot serve tp={tp}")
+        rows = shard["rank_rows"]
+        return RankSlice(0, rank * rows, (rank + 1) * rows)
+    if kind == "vocab_parallel":
+        vocab = shape[0]
+        per_rank = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
+        if per_rank * tp % VOCAB_PADDING:
+            raise LayoutError(f"tp={tp} does not divide the padded vocabulary of {vocab}")
+        return RankSlice(0, min(rank * per_rank, vocab), min((rank + 1) * per_rank, vocab))
+    if kind == "row_parallel":
+        columns = shape[1]
+        if columns % tp:
+            raise LayoutError(f"tp={tp} does not divide the {columns} input columns")
+        per_rank = columns // tp
+        return RankSlice(1, rank * per_rank, (rank + 1) * per_rank)
+    if kind == "replicated":
+        return None
+    raise LayoutError(f"unknown shard kind {kind!r}")
 
 
 def _unfused_shard(name: str) -> dict[str, Any]:

@@ -15,16 +15,23 @@ from publisher.snapshot_reader import Snapshot
 from shared.layout import (
     LayoutError,
     ModelShape,
+    RankSlice,
     assemble,
     check_tp,
     plan_vllm_fused,
+    rank_slice,
     unfuse,
 )
 from shared.manifest import Manifest, verify_files
 from shared.snapshots import SnapshotInfo
 
 from helpers import hf_config, hf_state, shape_of, write_snapshot
-from vllm_reference import merged_column_parallel_rank, qkv_parallel_rank
+from vllm_reference import (
+    merged_column_parallel_rank,
+    qkv_parallel_rank,
+    row_parallel_rank,
+    vocab_parallel_rank,
+)
 
 
 def fuse(state: dict[str, torch.Tensor], shape: ModelShape, tp: int) -> dict[str, torch.Tensor]:
@@ -81,6 +88,51 @@ def test_each_rank_block_is_what_vllm_places_on_that_rank(model: str, tp: int) -
     expected_rows = shape.q_rows + 2 * max(tp, kv) * shape.head_dim
     assert rows == expected_rows  # kv heads replicated when tp > kv heads
     assert "lm_head.weight" not in fused  # tied: written once, as embed_tokens
+
+
+@pytest.mark.parametrize(("model", "tp"), CASES)
+def test_rank_slice_of_every_tensor_is_what_vllm_loads_on_that_rank(model: str, tp: int) -> None:
+    heads, kv, head_dim = SHAPES[model]
+    shape = shape_of(heads, kv, head_dim // 16, tied=False, bias=True)
+    state = hf_state(shape)
+    plan = plan_vllm_fused({k: t.shape[0] for k, t in state.items()}, shape, tp)
+    fused = {p.name: assemble(p, state) for p in plan}
+    for rank in range(tp):
+        for p in plan:
+            tensor = fused[p.name]
+            part = rank_slice(p.shard, list(tensor.shape), rank, tp)
+            mine = (
+                tensor
+                if part is None
+                else tensor.narrow(part.dim, part.start, part.stop - part.start)
+            )
+            kind = p.shard["kind"]
+            if kind in ("qkv", "gate_up"):
+                expected = tensor.chunk(tp)[rank]  # checked against vLLM's loaders above
+            elif kind == "vocab_parallel":
+                loaded = vocab_parallel_rank(tensor, tp, rank)
+                expected = loaded[: mine.shape[0]]
+                assert not loaded[mine.shape[0] :].any(), "rows past the vocabulary are padding"
+            elif kind == "row_parallel":
+                expected = row_parallel_rank(tensor, tp, rank)
+            else:
+                expected = tensor
+            assert torch.equal(mine, expected), f"{p.name} rank {rank}"
+
+
+def test_rank_slice_refuses_a_tp_the_tensor_was_not_fused_for() -> None:
+    shard = {"kind": "qkv", "dim": 0, "tp": 2, "rank_rows": 8, "q_rows": 4, "kv_rows": 2}
+    with pytest.raises(LayoutError, match="fused for tp=2 cannot serve tp=4"):
+        rank_slice(shard, [16, 8], 0, 4)
+    with pytest.raises(LayoutError, match="outside tp=2"):
+        rank_slice(shard, [16, 8], 2, 2)
+
+
+def test_vocab_slices_skip_padding_rows() -> None:
+    # 1000 tokens pad to 1024; at tp=8 each rank holds 128 rows, the last only 1000 - 896.
+    spec = {"kind": "vocab_parallel", "dim": 0}
+    assert rank_slice(spec, [1000, 4], 7, 8) == RankSlice(0, 896, 1000)
+    assert rank_slice(spec, [1000, 4], 0, 8) == RankSlice(0, 0, 128)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -59,3 +59,24 @@ def merged_column_parallel_rank(
             loaded.narrow(0, tp_rank * shard_size, shard_size)
         )
     return param
+
+
+def vocab_parallel_rank(
+    weight: torch.Tensor, tp_size: int, tp_rank: int, padding_size: int = 64
+) -> torch.Tensor:
+    """``VocabParallelEmbedding.weight_loader``: the rank's rows of the padded vocabulary,
+    padding rows left zero (vllm/model_executor/layers/vocab_parallel_embedding.py)."""
+    org_vocab = weight.shape[0]
+    padded = ((org_vocab + padding_size - 1) // padding_size) * padding_size
+    per_partition = padded // tp_size
+    start = min(tp_rank * per_partition, org_vocab)
+    end = min((tp_rank + 1) * per_partition, org_vocab)
+    param = torch.zeros((per_partition, *weight.shape[1:]), dtype=weight.dtype)
+    param[: end - start].copy_(weight[start:end])
+    return param
+
+
+def row_parallel_rank(weight: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """``RowParallelLinear.weight_loader``: input_dim 1, split evenly over ranks."""
+    shard_size = weight.shape[1] // tp_size
+    return weight.narrow(1, tp_rank * shard_size, shard_size).clone()
