@@ -31,11 +31,18 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class TensorEntry:
+    """One tensor in one file. ``shard`` says how vLLM splits it (see ``layout.rank_slice``).
+
+    ``rank`` is None for a whole tensor. In a version with per-rank files each tensor has one
+    entry per rank: ``file`` is that rank's file, ``shape`` the rank's part, ``rank`` its rank.
+    """
+
     name: str
     file: str
     shape: list[int]
     dtype: str
     shard: dict[str, Any]
+    rank: int | None = None
 
 
 @dataclass
@@ -49,6 +56,8 @@ class Manifest:
     dtype: str
     files: list[FileEntry] = field(default_factory=list)
     tensors: list[TensorEntry] = field(default_factory=list)
+    per_rank_files: bool = False
+    """True when each tp rank's parameters are in a file of their own (``rank`` entries)."""
     format: str = MANIFEST_FORMAT
 
     @property
