@@ -120,6 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="also push a malformed batch after every N good ones",
     )
     add_flag(produce, "produce.seed", "--seed", help="random seed")
+    add_flag(
+        produce,
+        "produce.max_pending",
+        "--max-pending",
+        help="wait while this many batches are undelivered to the trainer (0: never)",
+    )
+    add_flag(
+        produce, "produce.timeout", "--timeout", help="give up waiting after this many seconds"
+    )
 
     follow = commands["follow"]
     add_flag(follow, "follow.node_id", "--node-id", help="name of this node")
@@ -128,8 +137,43 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         follow, "follow.until_version", "--until-version", help="exit once this version is loaded"
     )
+    add_flag(
+        follow,
+        "follow.rollout",
+        "--rollout",
+        help="also be the rollout producer: sample, score and push batches for the trainer",
+    )
+    add_flag(follow, "rollout.prompts", "--prompts", help="prompts per batch")
+    add_flag(follow, "rollout.group_size", "--group-size", help="completions per prompt (GRPO)")
+    add_flag(follow, "rollout.prompt_len", "--prompt-len", help="prompt tokens")
+    add_flag(follow, "rollout.completion_len", "--completion-len", help="sampled tokens")
+    add_flag(
+        follow, "rollout.target_below", "--target-below", help="rewarded token ids are below this"
+    )
+    add_flag(
+        follow,
+        "rollout.max_pending",
+        "--max-pending",
+        help="keep at most this many rollout batches queued for the trainer",
+    )
+    add_flag(follow, "rollout.seed", "--seed", help="random seed of prompts and sampling")
 
-    commands["status"].add_argument("--json", action="store_true", help="print JSON")
+    status = commands["status"]
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        metavar="SECONDS",
+        help="refresh in place every SECONDS (default 2) until Ctrl-C",
+    )
+    add_flag(
+        status,
+        "follow.stale_seconds",
+        "--stale-seconds",
+        help="mark a node stale when it has not reported for this long",
+    )
     return parser
 
 

@@ -84,6 +84,10 @@ class ProduceConfig:
     invalid_every: int = 0
     """Push a malformed batch after every N good ones (0: never); shows the dead-letter path."""
     seed: int = 0
+    max_pending: int = 16
+    """Back-pressure: wait while this many batches are undelivered to the trainer (0: never)."""
+    timeout: float = 300.0
+    """Give up (and exit 1) when the trainer has not made room for this many seconds."""
 
 
 @dataclass
@@ -94,6 +98,33 @@ class FollowConfig:
     lease_seconds: float = 30.0
     until_version: int = 0
     """Exit once this version (or a newer one) is loaded; 0 follows forever."""
+    stale_seconds: float = 60.0
+    """``weightcast status`` marks a node stale when it has not reported for this long."""
+    rollout: bool = False
+    """Also be the rollout producer: sample from the loaded version and push scored batches."""
+
+
+@dataclass
+class RolloutConfig:
+    """The toy RL task of ``weightcast follow --rollout`` (and ``weightcast up``).
+
+    Each batch is ``prompts`` random prompts of ``prompt_len`` tokens, each sampled
+    ``group_size`` times for ``completion_len`` tokens (a GRPO group). The reward of a
+    completion is the fraction of its tokens below ``target_below``: learnable from a
+    near-uniform start, checkable by anyone.
+    """
+
+    prompts: int = 4
+    group_size: int = 8
+    prompt_len: int = 8
+    completion_len: int = 16
+    target_below: int = 32
+    vocab_size: int = 1024
+    """Only for version 0 (nothing published yet): the uniform policy over this many ids."""
+    max_pending: int = 2
+    """Back-pressure: keep the rollouts at most this many batches ahead of the trainer."""
+    timeout: float = 600.0
+    seed: int = 0
 
 
 @dataclass
@@ -103,6 +134,7 @@ class Config:
     publisher: PublisherConfig = field(default_factory=PublisherConfig)
     produce: ProduceConfig = field(default_factory=ProduceConfig)
     follow: FollowConfig = field(default_factory=FollowConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 _SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "common")

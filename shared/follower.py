@@ -1,7 +1,9 @@
-"""``weightcast follow``: a reference inference node.
+"""``weightcast follow``: a reference inference node, optionally also the rollout producer.
 
 It waits for a newer ``latest``, leases that version, verifies the manifest's checksums,
-loads its tensors, records itself in ``{wc}:nodes`` and releases the lease.
+loads its tensors, records itself in ``{wc}:nodes`` and releases the lease. With
+``--rollout`` it also samples from the version it loaded and pushes scored batches to the
+trainer (see :mod:`shared.rollout`), keeping at most ``rollout.max_pending`` of them queued.
 """
 
 from __future__ import annotations
@@ -12,22 +14,66 @@ import socket
 import time
 from typing import Any
 
-import redis
-
 from shared.config import Config
-from shared.keys import Keys
 from shared.logs import get_logger
+from shared.producer import BatchProducer
+from shared.rollout import ModelPolicy, Policy, Rollout, RolloutLoop
 from shared.weights_client import VersionGone, WeightsClient, WeightsError
 
 log = get_logger("follow")
+
+_IDLE_S = 0.05
+"""How long the rollout loop sleeps when the queue is full (it rechecks versions meanwhile)."""
+
+
+class Node:
+    """Loads each new version once: lease, verify, read, report."""
+
+    def __init__(self, client: WeightsClient, want_model: bool) -> None:
+        self.client = client
+        self.want_model = want_model
+        self.current = 0
+
+    def load(self, version: int) -> ModelPolicy | None:
+        """Load ``version``; the model when asked for one. None when it could not be used."""
+        start = time.perf_counter()
+        try:
+            with self.client.lease(version) as info:
+                tensors = self.client.load(info)
+                config = self.client.config(info)
+        except VersionGone:
+            log.info(
+                "version evicted before it could be leased; trying the latest", version=version
+            )
+            return None
+        except WeightsError as exc:
+            log.error("refusing version", version=version, reason=str(exc))
+            self.current = version
+            return None
+        policy = (
+            ModelPolicy.from_published(version, config, tensors, info.tp)
+            if self.want_model
+            else None
+        )
+        self.client.report_loaded(version)
+        self.current = version
+        log.info(
+            "loaded version",
+            version=version,
+            step=info.step,
+            tensors=len(tensors),
+            bytes=info.bytes,
+            seconds=round(time.perf_counter() - start, 3),
+        )
+        return policy
 
 
 def run_follow(config: Config) -> int:
     cfg = config.follow
     node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
     client = WeightsClient(
-        redis.Redis.from_url(config.common.redis_url),
-        Keys(config.common.namespace),
+        config.common.redis_url,
+        config.common.namespace,
         node_id,
         config.common.weights_dir,
         lease_seconds=cfg.lease_seconds,
@@ -41,35 +87,51 @@ def run_follow(config: Config) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     log.info("following", node_id=node_id, weights_dir=str(config.common.weights_dir))
-    current = 0
+    node = Node(client, want_model=cfg.rollout)
+    if cfg.rollout:
+        return _run_rollout(config, node, node_id, lambda: stopping)
     while not stopping:
-        version = client.wait_for_newer(current, timeout=cfg.poll_seconds, poll=cfg.poll_seconds)
+        version = client.wait_for_newer(
+            node.current, timeout=cfg.poll_seconds, poll=cfg.poll_seconds
+        )
         if version is None:
             continue
-        start = time.perf_counter()
-        try:
-            with client.lease(version) as info:
-                manifest = client.open(info)
-                tensors = client.load(info, manifest)
-        except VersionGone:
-            log.info(
-                "version evicted before it could be leased; trying the latest", version=version
-            )
-            continue
-        except WeightsError as exc:
-            log.error("refusing version", version=version, reason=str(exc))
-            current = version
-            continue
-        client.report_loaded(version)
-        current = version
-        log.info(
-            "loaded version",
-            version=version,
-            step=info.step,
-            tensors=len(tensors),
-            bytes=manifest.total_bytes,
-            seconds=time.perf_counter() - start,
-        )
-        if cfg.until_version and version >= cfg.until_version:
+        node.load(version)
+        if cfg.until_version and node.current >= cfg.until_version:
             break
+    return 0
+
+
+def _run_rollout(config: Config, node: Node, node_id: str, stopping: Any) -> int:
+    """Load each new version and keep the trainer fed with rollouts from the newest one."""
+    cfg = config.rollout
+    producer = BatchProducer(
+        config.common.redis_url,
+        config.common.namespace,
+        name=node_id,
+        max_pending=cfg.max_pending,
+        timeout=cfg.timeout,
+    )
+
+    def refresh(policy: Policy) -> Policy | None:
+        latest = node.client.latest()
+        return node.load(latest) if latest > max(policy.version, node.current) else None
+
+    def push(rollout: Rollout, version: int) -> str:
+        return producer.push(rollout.tensors, version, reward=rollout.reward)
+
+    def has_room() -> bool:
+        return not cfg.max_pending or producer.undelivered() < cfg.max_pending
+
+    loop = RolloutLoop(cfg, refresh, has_room, push)
+    log.info("producing rollouts", max_pending=cfg.max_pending, group_size=cfg.group_size)
+    idle_since = time.monotonic()
+    while not stopping():
+        if loop.step():
+            idle_since = time.monotonic()
+            continue
+        if time.monotonic() - idle_since > cfg.timeout:
+            raise producer.timed_out(producer.undelivered())
+        time.sleep(_IDLE_S)
+    producer.close()
     return 0

@@ -1,10 +1,12 @@
 """``weightcast up``: the whole pipeline on one machine, started, watched and stopped.
 
-It starts a private redis-server (unless given ``--redis-url``), then the publisher, an
-inference node (``follow``), the trainer and a producer, each a separate process with its
-log in the run directory. It exits 0 once the trainer has trained every step and the last
-version is published and loaded by the node; if any process fails it stops the others and
-says which one failed.
+It starts a private redis-server (unless given ``--redis-url``), then the publisher, the
+trainer and an inference node that is also the rollout producer (``follow --rollout``), each
+a separate process with its log in the run directory. The node samples from the newest
+version, scores the samples with the toy reward and pushes them; the trainer learns from
+them, so the mean reward per version rises. It exits 0 once the trainer has trained every
+step and the last version is published and loaded by the node; if any process fails it stops
+the others and says which one failed.
 """
 
 from __future__ import annotations
@@ -16,19 +18,25 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import mean
+from typing import Any
 
 import redis
 
-from shared.config import Config
+from shared.codec import META_FIELD
+from shared.config import Config, ConfigError
 from shared.keys import Keys
 from shared.redis_server import RedisServer
 
 FOLLOWER_ID = "up-follower"
 STOP_GRACE_S = 20.0
-PRODUCER_INTERVAL_S = 0.25
-"""The stand-in producer's pace: slow enough to watch versions follow the steps."""
+
+TRAINER_DEFAULTS: dict[str, Any] = {"trainer": {"optimizer": {"lr": 1e-2}}}
+"""What ``up`` gives the trainer unless the ``--config`` file says otherwise: a learning rate
+that makes the tiny model learn the toy task within the default steps."""
 
 
 class StackFailure(RuntimeError):
@@ -59,15 +67,22 @@ class Progress:
     trainer_started: bool = False
     step: int = 0
     follower_version: int = 0
+    rewards: dict[int, list[float]] = field(default_factory=dict)
+    """Mean reward of each rollout batch, by the policy version it was sampled from."""
+    last_entry: str = "0"
 
     def describe(self, steps: int) -> str:
         last = self.published[-1] if self.published else None
         version = (
             f"v{last['version']} (step {last['step']}, lag {last['lag_s']:.2f}s)" if last else "-"
         )
+        reward = ""
+        if self.rewards:
+            newest = max(self.rewards)
+            reward = f"  reward {mean(self.rewards[newest]):.3f} (v{newest})"
         return (
             f"step {self.step}/{steps}  published {version}  "
-            f"node on v{self.follower_version or '-'}"
+            f"node on v{self.follower_version or '-'}{reward}"
         )
 
 
@@ -106,9 +121,6 @@ class Stack:
             )
         self.children.append(Child(name, process, log_path, may_finish))
 
-    def started(self, name: str) -> bool:
-        return any(child.name == name for child in self.children)
-
     def check(self) -> bool:
         """True once the trainer finished; raises :class:`StackFailure` on any failure."""
         trainer_done = False
@@ -138,33 +150,20 @@ class Stack:
                 child.process.kill()
                 child.process.wait()
 
-    def run(
-        self, steps: int, publish_every: int, vocab_size: int, started: float, timeout: float
-    ) -> Progress:
+    def run(self, steps: int, publish_every: int, started: float, timeout: float) -> Progress:
         """Start the processes and watch them until done; raises :class:`StackFailure`."""
         pubsub = self.redis.pubsub()
         pubsub.subscribe(self.keys.events)
         self.start("publisher", ["publisher", "--rescan-seconds", "1"])
-        self.start("follower", ["follow", "--node-id", FOLLOWER_ID, "--poll-seconds", "1"])
         self.start(
             "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
         )
-        producer = [
-            "produce",
-            "--count",
-            str(steps),
-            "--interval",
-            str(PRODUCER_INTERVAL_S),
-            "--vocab-size",
-            str(vocab_size),
-        ]
+        self.start("follower", ["follow", "--node-id", FOLLOWER_ID, "--rollout"])
         progress = Progress()
         shown = ""
         while True:
             trainer_done = self.check()
             self.observe(pubsub, progress)
-            if progress.trainer_started and not self.started("producer"):
-                self.start("producer", producer, may_finish=True)
             state = progress.describe(steps)
             if state != shown:
                 print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
@@ -194,11 +193,16 @@ class Stack:
         progress.step = int(step or 0)
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
         progress.follower_version = json.loads(node)["version"] if node else 0
+        for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
+            progress.last_entry = entry_id.decode()
+            meta = json.loads(fields.get(META_FIELD.encode(), b"{}"))
+            if isinstance(meta.get("reward"), int | float):
+                progress.rewards.setdefault(meta["policy_version"], []).append(meta["reward"])
 
 
 @dataclass(frozen=True)
 class UpOptions:
-    steps: int = 20
+    steps: int = 40
     publish_every: int = 2
     workdir: Path = Path(".weightcast/runs")
     timeout: float = 900.0
@@ -211,8 +215,6 @@ class UpOptions:
 
 def run_up(config: Config, options: UpOptions) -> int:
     """Run the pipeline for ``options.steps`` training steps; the process exit code."""
-    from trainer.model import flavor_args  # torchtitan is only needed to size the producer
-
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = options.workdir.resolve() / stamp
     run_dir.mkdir(parents=True)
@@ -234,10 +236,10 @@ def run_up(config: Config, options: UpOptions) -> int:
                 print(f"started a private redis-server at {redis_url}", flush=True)
             else:
                 print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
-            stack = Stack(config, run_dir, redis_url, options.config_file)
+            config_file = write_run_config(run_dir, options.config_file)
+            stack = Stack(config, run_dir, redis_url, config_file)
             resources.callback(stack.stop_all)
-            vocab_size = flavor_args(config.trainer.model).vocab_size
-            progress = stack.run(steps, options.publish_every, vocab_size, started, options.timeout)
+            progress = stack.run(steps, options.publish_every, started, options.timeout)
             dead = stack.redis.xlen(stack.keys.dead_letters)
     except StackFailure as exc:
         print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
@@ -246,7 +248,47 @@ def run_up(config: Config, options: UpOptions) -> int:
         print("interrupted: stopped every process weightcast up started", flush=True)
         return 130
     print(summary(progress, steps, time.monotonic() - started, dead, run_dir), flush=True)
+    plot = plot_rewards(progress, run_dir / "reward.png")
+    if plot is not None:
+        print(f"  reward plot: {plot}", flush=True)
     return 0
+
+
+def write_run_config(run_dir: Path, user_file: Path | None) -> Path:
+    """``up``'s trainer defaults under the user's ``--config`` file, as the run's config."""
+    merged = _merge(TRAINER_DEFAULTS, {})
+    if user_file is not None:
+        try:
+            merged = _merge(merged, tomllib.loads(Path(user_file).read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {user_file}: {exc}") from None
+    path = run_dir / "config.toml"
+    path.write_text(to_toml(merged))
+    return path
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def to_toml(table: dict[str, Any], prefix: str = "") -> str:
+    """TOML for a table of scalars, arrays of scalars and sub-tables (what configs hold)."""
+    lines = [
+        f"{key} = {json.dumps(value)}"
+        for key, value in table.items()
+        if not isinstance(value, dict)
+    ]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            name = f"{prefix}{key}"
+            lines += ["", f"[{name}]", to_toml(value, f"{name}.")]
+    return "\n".join(lines)
 
 
 def _interrupt(_signum: int, _frame: object) -> None:
@@ -265,8 +307,47 @@ def summary(
         f"{len(progress.evicted)} evicted, live: {' '.join(f'v{v}' for v in live)}",
         f"  the inference node loaded v{progress.follower_version}; "
         f"{dead_letters} batches dead-lettered",
-        "  version   step   snapshot -> registered",
+        "  version   step   snapshot -> registered   rollouts   mean reward",
     ]
-    lines += [f"  v{e['version']:<8} {e['step']:>4}   {e['lag_s']:.3f}s" for e in published]
+    rows = [(0, None)] + [(e["version"], e) for e in published]
+    for version, event in rows:
+        batches = progress.rewards.get(version, [])
+        if event is None and not batches:
+            continue
+        step = "-" if event is None else str(event["step"])
+        lag = "(uniform start)" if event is None else f"{event['lag_s']:.3f}s"
+        reward = f"{mean(batches):.3f}" if batches else "-"
+        lines.append(f"  v{version:<8} {step:>4}   {lag:<22} {len(batches):>8}   {reward:>11}")
+    sampled = sorted(progress.rewards)
+    if len(sampled) >= 2:
+        first, last = progress.rewards[sampled[0]], progress.rewards[sampled[-1]]
+        lines.append(
+            f"  mean reward: {mean(first):.3f} on v{sampled[0]} -> {mean(last):.3f} "
+            f"on v{sampled[-1]} (toy task: fraction of sampled tokens the reward wants)"
+        )
     lines.append(f"  logs: {run_dir / 'logs'}")
     return "\n".join(lines)
+
+
+def plot_rewards(progress: Progress, path: Path) -> Path | None:
+    """A PNG of mean reward per version, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    versions = sorted(progress.rewards)
+    if not versions:
+        return None
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(versions, [mean(progress.rewards[v]) for v in versions], marker="o")
+    axes.set_xlabel("policy version the rollouts were sampled from")
+    axes.set_ylabel("mean reward")
+    axes.set_title("weightcast up: toy task reward")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -8,21 +8,36 @@ at once that it is gone. A background thread renews the lease while it is held.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
+from shared.config import load_config
 from shared.keys import Keys
+from shared.layout import LayoutError, RankSlice, rank_slice
 from shared.logs import get_logger
-from shared.manifest import MANIFEST_NAME, Manifest, ManifestError, sha256_file, verify_files
+from shared.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    TensorEntry,
+    sha256_bytes,
+    verify_files,
+)
+from shared.snapshots import CONFIG_NAME
 
 log = get_logger("weights")
 
@@ -76,26 +91,39 @@ class VersionInfo:
 
 
 class WeightsClient:
-    """What an inference node needs: ``latest``, ``wait_for_newer``, ``lease``, ``load``."""
+    """What an inference node needs: find, wait for, lease, verify and read versions.
+
+    ``weights_root`` is where this node sees the weights directory (the configured
+    ``weights_dir`` when not given); a version registered anywhere else is refused.
+    """
 
     def __init__(
         self,
-        client: redis.Redis,
-        keys: Keys,
-        node_id: str,
-        weights_root: Path,
+        redis_url: str,
+        namespace: str = "wc",
+        node_id: str = "",
+        weights_root: Path | str | None = None,
         lease_seconds: float = 30.0,
     ) -> None:
-        self.redis = client
-        self.keys = keys
-        self.node_id = node_id
-        self.weights_root = Path(weights_root).resolve()
+        self.redis = redis.Redis.from_url(redis_url)
+        self.keys = Keys(namespace)
+        self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
+        root = load_config().common.weights_dir if weights_root is None else weights_root
+        self.weights_root = Path(root).resolve()
         self.lease_ms = int(lease_seconds * 1000)
-        self._lease = client.register_script(_LEASE)
+        self._lease = self.redis.register_script(_LEASE)
+        self._verified: set[tuple[Path, str]] = set()
 
     def latest(self) -> int:
         """The newest published version, 0 when none yet."""
         return int(self.redis.get(self.keys.latest) or 0)
+
+    def info(self, version: int) -> VersionInfo:
+        """The registry entry of a live version; :class:`VersionGone` if it is not live."""
+        raw = self.redis.hgetall(self.keys.version(version))
+        if not raw or self.redis.zscore(self.keys.versions, version) is None:
+            raise VersionGone(f"version {version} is not live")
+        return VersionInfo.from_fields(version, raw)
 
     def wait_for_newer(self, version: int, timeout: float, poll: float = 2.0) -> int | None:
         """Wait until ``latest`` exceeds ``version``; None on timeout.
@@ -120,7 +148,11 @@ class WeightsClient:
 
     @contextmanager
     def lease(self, version: int) -> Iterator[VersionInfo]:
-        """Hold ``version`` while the block runs; raises :class:`VersionGone` if evicted."""
+        """Hold ``version`` while the block runs; raises :class:`VersionGone` if evicted.
+
+        A thread renews the lease every third of its time to live; the lease is removed on
+        exit, and expires by itself if this process dies.
+        """
         info = self._take_lease(version)
         stop = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(version, stop), daemon=True)
@@ -132,41 +164,119 @@ class WeightsClient:
             renewer.join()
             self.redis.zrem(self.keys.leases(version), self.node_id)
 
-    def open(self, info: VersionInfo) -> Manifest:
-        """Check a leased version: path inside the weights root, manifest and file digests."""
-        path = info.path.resolve()
-        if not path.is_relative_to(self.weights_root):
-            raise WeightsError(
-                f"version {info.version} is registered at {path}, outside the "
-                f"weights root {self.weights_root}; refusing to read it"
-            )
-        try:
-            if sha256_file(path / MANIFEST_NAME) != info.manifest_sha256:
-                raise WeightsError(f"{path / MANIFEST_NAME}: sha256 differs from the registry")
-            manifest = Manifest.read(path)
-            verify_files(path, manifest)
-        except (OSError, ManifestError) as exc:
-            raise WeightsError(str(exc)) from None
+    def open(self, version: int | VersionInfo) -> Manifest:
+        """Check a version: path inside the weights root, manifest and every file's digest."""
+        info = self._resolve(version)
+        manifest = self._manifest(info)
+        self._verify(info, manifest, [f.name for f in manifest.files])
         return manifest
 
-    def load(self, info: VersionInfo, manifest: Manifest) -> dict[str, torch.Tensor]:
-        """Every tensor of a verified version, checked against the manifest's shapes."""
+    def load(self, version: int | VersionInfo) -> dict[str, torch.Tensor]:
+        """Every tensor of a verified version (whole tensors; per-rank files are refused)."""
+        info = self._resolve(version)
+        manifest = self.open(info)
+        if manifest.per_rank_files:
+            raise WeightsError(
+                f"version {info.version} is split into per-rank files; "
+                "read it with tensors_for_rank"
+            )
         tensors: dict[str, torch.Tensor] = {}
         for name in sorted({t.file for t in manifest.tensors}):
             tensors.update(load_file(str(info.path / name)))
         for entry in manifest.tensors:
-            tensor = tensors.get(entry.name)
-            if tensor is None or list(tensor.shape) != entry.shape:
-                raise WeightsError(
-                    f"{entry.file}: tensor {entry.name} is missing or not shaped {entry.shape}"
-                )
+            _check_shape(entry, tensors.get(entry.name))
         return tensors
+
+    def config(self, version: int | VersionInfo) -> dict[str, Any]:
+        """The version's HF ``config.json`` (verified against the manifest)."""
+        info = self._resolve(version)
+        self._verify(info, self._manifest(info), [CONFIG_NAME])
+        return json.loads((info.path / CONFIG_NAME).read_text())
+
+    def tensors_for_rank(
+        self, version: int | VersionInfo, tp_rank: int, tp_size: int
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)``: what vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size``
+        holds of each tensor (see ``shared.layout.rank_slice``; None = the whole tensor).
+
+        With per-rank files only that rank's file is verified and read; otherwise the rank's
+        rows are read out of the shared file (columns for row-parallel tensors). Raises
+        :class:`shared.layout.LayoutError` for a ``tp_size`` the version was not fused for.
+        """
+        info = self._resolve(version)
+        manifest = self._manifest(info)
+        if not 0 <= tp_rank < tp_size:
+            raise LayoutError(f"rank {tp_rank} is outside tp={tp_size}")
+        if manifest.per_rank_files:
+            if manifest.tp != tp_size:
+                raise LayoutError(
+                    f"version {info.version} has per-rank files for tp={manifest.tp}, "
+                    f"not tp={tp_size}"
+                )
+            entries = [t for t in manifest.tensors if t.rank == tp_rank]
+        else:
+            entries = list(manifest.tensors)
+            for entry in entries:  # refuse a wrong tp before reading anything
+                rank_slice(entry.shard, entry.shape, tp_rank, tp_size)
+        self._verify(info, manifest, sorted({e.file for e in entries}))
+        for file in sorted({e.file for e in entries}):
+            with safe_open(str(info.path / file), framework="pt") as reader:
+                for entry in (e for e in entries if e.file == file):
+                    tensor_slice = reader.get_slice(entry.name)
+                    if manifest.per_rank_files:
+                        tensor = tensor_slice[:]
+                        _check_shape(entry, tensor)
+                    else:
+                        _check_shape(entry, tensor_slice)
+                        tensor = _read_part(
+                            tensor_slice, rank_slice(entry.shard, entry.shape, tp_rank, tp_size)
+                        )
+                    yield entry.name, tensor
 
     def report_loaded(self, version: int) -> None:
         """Record in ``{wc}:nodes`` that this node now serves ``version``."""
         self.redis.hset(
             self.keys.nodes, self.node_id, json.dumps({"version": version, "at": time.time()})
         )
+
+    def _resolve(self, version: int | VersionInfo) -> VersionInfo:
+        info = version if isinstance(version, VersionInfo) else self.info(version)
+        path = info.path.resolve()
+        if not path.is_relative_to(self.weights_root):
+            raise WeightsError(
+                f"version {info.version} is registered at {path}, outside the "
+                f"weights root {self.weights_root}; refusing to read it"
+            )
+        return info
+
+    def _manifest(self, info: VersionInfo) -> Manifest:
+        """The manifest, checked against the digest the registry recorded."""
+        try:
+            data = (info.path / MANIFEST_NAME).read_bytes()
+            if sha256_bytes(data) != info.manifest_sha256:
+                raise WeightsError(f"{info.path / MANIFEST_NAME}: sha256 differs from the registry")
+            return Manifest.from_json(data)
+        except (OSError, ManifestError) as exc:
+            raise WeightsError(str(exc)) from None
+
+    def _verify(self, info: VersionInfo, manifest: Manifest, names: list[str]) -> None:
+        """Size and sha256 of the named files, each checked once per client."""
+        wanted = {n for n in names if (info.path, n) not in self._verified}
+        listed = {f.name for f in manifest.files}
+        if wanted - listed:
+            raise WeightsError(
+                f"{info.path}: {sorted(wanted - listed)} not listed in the manifest's files"
+            )
+        try:
+            verify_files(
+                info.path,
+                dataclasses.replace(
+                    manifest, files=[f for f in manifest.files if f.name in wanted]
+                ),
+            )
+        except (OSError, ManifestError) as exc:
+            raise WeightsError(str(exc)) from None
+        self._verified.update((info.path, n) for n in wanted)
 
     def _take_lease(self, version: int) -> VersionInfo:
         keys = [self.keys.versions, self.keys.leases(version), self.keys.version(version)]
@@ -184,3 +294,24 @@ class WeightsClient:
                 return
             except redis.RedisError as exc:
                 log.warning("lease renewal failed; retrying", version=version, error=str(exc))
+
+
+def _check_shape(entry: TensorEntry, tensor: Any) -> None:
+    shape = (
+        None
+        if tensor is None
+        else list(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+    )
+    if shape != entry.shape:
+        raise WeightsError(
+            f"{entry.file}: tensor {entry.name} is missing or not shaped {entry.shape}"
+        )
+
+
+def _read_part(tensor_slice: Any, part: RankSlice | None) -> torch.Tensor:
+    """Read only the rank's rows (or columns) of a safetensors slice."""
+    if part is None:
+        return tensor_slice[:]
+    if part.dim == 0:
+        return tensor_slice[part.start : part.stop]
+    return tensor_slice[:, part.start : part.stop]
