@@ -29,7 +29,7 @@ class Deployment:
     """The real publisher, driven one snapshot at a time, plus readers of its versions."""
 
     def __init__(self, client: redis.Redis, keys: Keys, root: Path, redis_url: str) -> None:
-        self.client, self.keys, self.root = client, keys, root
+        self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
         settings = {
             "redis_url": redis_url,
             "namespace": keys.namespace,
@@ -49,7 +49,11 @@ class Deployment:
 
     def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
         return WeightsClient(
-            self.client, self.keys, node_id, self.root / "weights", lease_seconds=lease_seconds
+            self.redis_url,
+            self.keys.namespace,
+            node_id,
+            self.root / "weights",
+            lease_seconds=lease_seconds,
         )
 
 
@@ -71,7 +75,7 @@ def test_a_leased_version_outlives_newer_versions_until_released(deployment: Dep
         # Three newer versions and several eviction passes later v1 is still whole.
         assert 1 in deployment.registry.live_versions()
         manifest = reader.open(info)
-        assert len(reader.load(info, manifest)) == len(manifest.tensors)
+        assert len(reader.load(info)) == len(manifest.tensors)
     assert deployment.registry.live_versions() == [1, 4, 5]
     deployment.evictor.run()
     assert deployment.registry.live_versions() == [4, 5]
@@ -96,11 +100,10 @@ def test_the_lease_of_a_killed_reader_expires(
             sys.executable,
             "-c",
             textwrap.dedent(f"""
-        import redis, time
-        from shared.keys import Keys
+        import time
         from shared.weights_client import WeightsClient
         client = WeightsClient(
-            redis.Redis.from_url({redis_server.url!r}), Keys({keys.namespace!r}),
+            {redis_server.url!r}, {keys.namespace!r},
             "doomed-node", {str(deployment.root / "weights")!r}, lease_seconds=5,
         )
         with client.lease(1):
@@ -165,7 +168,7 @@ def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
     with reader.lease(1) as info:
         manifest = reader.open(info)
         verify_files(info.path, manifest)
-        tensors = reader.load(info, manifest)
+        tensors = reader.load(info)
     assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
     reader.report_loaded(1)
     assert b"node-a" in deployment.client.hkeys(deployment.keys.nodes)
