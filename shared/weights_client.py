@@ -174,12 +174,12 @@ class WeightsClient:
     def load(self, version: int | VersionInfo) -> dict[str, torch.Tensor]:
         """Every tensor of a verified version (whole tensors; per-rank files are refused)."""
         info = self._resolve(version)
-        manifest = self.open(info)
-        if manifest.per_rank_files:
+        if self._manifest(info).per_rank_files:
             raise WeightsError(
                 f"version {info.version} is split into per-rank files; "
                 "read it with tensors_for_rank"
             )
+        manifest = self.open(info)
         tensors: dict[str, torch.Tensor] = {}
         for name in sorted({t.file for t in manifest.tensors}):
             tensors.update(load_file(str(info.path / name)))

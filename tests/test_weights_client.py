@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,15 +14,30 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
+from safetensors.torch import load_file, save_file
 
 from publisher.daemon import Publisher
 from shared.config import load_config
 from shared.keys import Keys
-from shared.manifest import verify_files
+from shared.layout import LayoutError, rank_slice
+from shared.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    file_entry,
+    sha256_bytes,
+    verify_files,
+)
 from shared.redis_server import RedisServer
 from shared.weights_client import VersionGone, WeightsClient, WeightsError
 
-from helpers import REPO, shape_of, write_snapshot
+from helpers import REPO, hf_state, shape_of, write_snapshot
+from vllm_reference import (
+    merged_column_parallel_rank,
+    qkv_parallel_rank,
+    row_parallel_rank,
+    vocab_parallel_rank,
+)
 
 SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
 
@@ -28,13 +45,16 @@ SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
 class Deployment:
     """The real publisher, driven one snapshot at a time, plus readers of its versions."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, root: Path, redis_url: str) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, root: Path, redis_url: str, tp: int = 1
+    ) -> None:
         self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
         settings = {
             "redis_url": redis_url,
             "namespace": keys.namespace,
             "checkpoint_dir": root / "checkpoints",
             "weights_dir": root / "weights",
+            "publisher.tp": tp,
         }
         self.publisher = Publisher(load_config(env={}, overrides=settings))
         self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
@@ -173,3 +193,106 @@ def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
     reader.report_loaded(1)
     assert b"node-a" in deployment.client.hkeys(deployment.keys.nodes)
     assert deployment.client.zcard(deployment.keys.leases(1)) == 0  # released on exit
+
+
+def split_per_rank(deployment: Deployment, version: int) -> int:
+    """Register a copy of ``version`` with per-rank files, as ``--per-rank-files`` writes it:
+    rank r's file holds, under the fused names, what ``rank_slice`` gives rank r."""
+    client, keys = deployment.client, deployment.keys
+    fields = client.hgetall(keys.version(version))
+    source = Path(fields[b"path"].decode())
+    manifest = Manifest.read(source)
+    tensors = load_file(str(source / "model.safetensors"))
+    target = source.parent / f"v{version}-per-rank"
+    target.mkdir()
+    shutil.copy(source / "config.json", target / "config.json")
+    entries, files = [], [file_entry(target / "config.json")]
+    for rank in range(manifest.tp):
+        name = f"model-rank-{rank:02d}-of-{manifest.tp:02d}.safetensors"
+        parts = {}
+        for entry in manifest.tensors:
+            part = rank_slice(entry.shard, entry.shape, rank, manifest.tp)
+            full = tensors[entry.name]
+            parts[entry.name] = (
+                full if part is None else full.narrow(part.dim, part.start, part.stop - part.start)
+            ).contiguous()
+            entries.append(
+                dataclasses.replace(
+                    entry, file=name, shape=list(parts[entry.name].shape), rank=rank
+                )
+            )
+        save_file(parts, str(target / name))
+        files.append(file_entry(target / name))
+    text = (
+        dataclasses.replace(manifest, files=files, tensors=entries, per_rank_files=True)
+        .to_json()
+        .encode()
+    )
+    (target / MANIFEST_NAME).write_bytes(text)
+    copy = version + 100
+    client.hset(
+        keys.version(copy),
+        mapping={**fields, b"path": str(target), b"manifest_sha256": sha256_bytes(text)},
+    )
+    client.zadd(keys.versions, {copy: copy})
+    return copy
+
+
+def vllm_rank(name: str, state: dict[str, torch.Tensor], tp: int, rank: int) -> torch.Tensor:
+    """What vLLM's own loaders put on ``rank`` for the fused or plain tensor ``name``."""
+    if ".qkv_proj." in name:
+        q, k, v = (state[name.replace("qkv_proj", f"{x}_proj")] for x in "qkv")
+        return qkv_parallel_rank(
+            q, k, v, SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim, tp, rank
+        )
+    if ".gate_up_proj." in name:
+        gate, up = (state[name.replace("gate_up_proj", f"{x}_proj")] for x in ("gate", "up"))
+        return merged_column_parallel_rank(gate, up, tp, rank)
+    if name == "model.embed_tokens.weight":
+        rows = vocab_parallel_rank(state[name], tp, rank)
+        start = min(rank * rows.shape[0], SHAPE.vocab_size)
+        return rows[: min(SHAPE.vocab_size - start, rows.shape[0])]  # padding is not published
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return row_parallel_rank(state[name], tp, rank)
+    return state[name]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tensors_for_rank_give_vllms_rank_tensors_from_fused_and_per_rank_files(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer, tp: int
+) -> None:
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=tp)
+    fused = deployment.publish()
+    per_rank = split_per_rank(deployment, fused)
+    state = hf_state(SHAPE, torch.bfloat16)  # what write_snapshot published
+    reader = deployment.reader()
+    for rank in range(tp):
+        from_fused = dict(reader.tensors_for_rank(fused, rank, tp))
+        from_split = dict(reader.tensors_for_rank(per_rank, rank, tp))
+        assert from_fused.keys() == from_split.keys() and len(from_fused) > 10
+        for name, tensor in from_fused.items():
+            expected = vllm_rank(name, state, tp, rank)
+            assert torch.equal(tensor, expected), (name, rank)
+            assert torch.equal(from_split[name], expected), (name, rank)
+    if tp > 1:
+        with pytest.raises(LayoutError, match=f"fused for tp={tp} cannot serve tp=1"):
+            next(reader.tensors_for_rank(fused, 0, 1))
+        with pytest.raises(LayoutError, match=f"per-rank files for tp={tp}"):
+            next(reader.tensors_for_rank(per_rank, 0, 2 * tp))
+
+
+def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=2)
+    per_rank = split_per_rank(deployment, deployment.publish())
+    target = tmp_path / "weights" / "v1-per-rank" / "model-rank-01-of-02.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF
+    target.write_bytes(bytes(data))
+    reader = deployment.reader()
+    assert len(dict(reader.tensors_for_rank(per_rank, 0, 2))) > 10  # rank 0 never touches it
+    with pytest.raises(WeightsError, match=r"model-rank-01-of-02\.safetensors: sha256"):
+        next(reader.tensors_for_rank(per_rank, 1, 2))
+    with pytest.raises(WeightsError, match="per-rank files"):
+        reader.load(per_rank)
