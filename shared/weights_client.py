@@ -41,6 +41,9 @@ from shared.snapshots import CONFIG_NAME
 
 log = get_logger("weights")
 
+FUSED_KINDS = ("qkv", "gate_up")
+"""Shard kinds of the fused tensors: laid out for one tp, each rank's block contiguous."""
+
 _LEASE = """
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return false end
 local t = redis.call('TIME')
@@ -167,14 +170,14 @@ class WeightsClient:
     def open(self, version: int | VersionInfo) -> Manifest:
         """Check a version: path inside the weights root, manifest and every file's digest."""
         info = self._resolve(version)
-        manifest = self._manifest(info)
+        manifest = self.manifest(info)
         self._verify(info, manifest, [f.name for f in manifest.files])
         return manifest
 
     def load(self, version: int | VersionInfo) -> dict[str, torch.Tensor]:
         """Every tensor of a verified version (whole tensors; per-rank files are refused)."""
         info = self._resolve(version)
-        if self._manifest(info).per_rank_files:
+        if self.manifest(info).per_rank_files:
             raise WeightsError(
                 f"version {info.version} is split into per-rank files; "
                 "read it with tensors_for_rank"
@@ -190,11 +193,16 @@ class WeightsClient:
     def config(self, version: int | VersionInfo) -> dict[str, Any]:
         """The version's HF ``config.json`` (verified against the manifest)."""
         info = self._resolve(version)
-        self._verify(info, self._manifest(info), [CONFIG_NAME])
+        self._verify(info, self.manifest(info), [CONFIG_NAME])
         return json.loads((info.path / CONFIG_NAME).read_text())
 
     def tensors_for_rank(
-        self, version: int | VersionInfo, tp_rank: int, tp_size: int
+        self,
+        version: int | VersionInfo,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        whole_unfused: bool = False,
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)``: what vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size``
         holds of each tensor (see ``shared.layout.rank_slice``; None = the whole tensor).
@@ -202,12 +210,19 @@ class WeightsClient:
         With per-rank files only that rank's file is verified and read; otherwise the rank's
         rows are read out of the shared file (columns for row-parallel tensors). Raises
         :class:`shared.layout.LayoutError` for a ``tp_size`` the version was not fused for.
+        ``whole_unfused`` yields the tensors that are not fused (``qkv``/``gate_up``) whole,
+        for loaders that slice them themselves (vLLM's ``weight_loader``); it needs a
+        version without per-rank files.
         """
         info = self._resolve(version)
-        manifest = self._manifest(info)
+        manifest = self.manifest(info)
         if not 0 <= tp_rank < tp_size:
             raise LayoutError(f"rank {tp_rank} is outside tp={tp_size}")
         if manifest.per_rank_files:
+            if whole_unfused:
+                raise WeightsError(
+                    f"version {info.version} has per-rank files: whole tensors are not there"
+                )
             if manifest.tp != tp_size:
                 raise LayoutError(
                     f"version {info.version} has per-rank files for tp={manifest.tp}, "
@@ -228,8 +243,10 @@ class WeightsClient:
                         _check_shape(entry, tensor)
                     else:
                         _check_shape(entry, tensor_slice)
+                        part = rank_slice(entry.shard, entry.shape, tp_rank, tp_size)
+                        fused = entry.shard.get("kind") in FUSED_KINDS
                         tensor = _read_part(
-                            tensor_slice, rank_slice(entry.shard, entry.shape, tp_rank, tp_size)
+                            tensor_slice, None if whole_unfused and not fused else part
                         )
                     yield entry.name, tensor
 
@@ -249,8 +266,9 @@ class WeightsClient:
             )
         return info
 
-    def _manifest(self, info: VersionInfo) -> Manifest:
-        """The manifest, checked against the digest the registry recorded."""
+    def manifest(self, version: int | VersionInfo) -> Manifest:
+        """The manifest, checked against the digest the registry recorded (files are not)."""
+        info = self._resolve(version)
         try:
             data = (info.path / MANIFEST_NAME).read_bytes()
             if sha256_bytes(data) != info.manifest_sha256:

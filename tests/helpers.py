@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
+import redis
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 
-from shared.layout import ModelShape
+from publisher.daemon import Publisher
+from shared.config import load_config
+from shared.keys import Keys
+from shared.layout import ModelShape, rank_slice
+from shared.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 from shared.snapshots import SnapshotInfo, snapshot_name
+from shared.weights_client import WeightsClient
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,3 +126,85 @@ def run_weightcast(
     return subprocess.run(
         weightcast(*args), env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
+
+
+SMALL_GQA = shape_of(4, 2, 8, hidden=16, inter=32)
+"""4 heads over 2 kv heads: tp 1, 2 and 4 are valid, and tp 4 replicates kv heads."""
+
+
+class Deployment:
+    """The real publisher, driven one snapshot at a time, plus readers of its versions."""
+
+    def __init__(
+        self, client: redis.Redis, keys: Keys, root: Path, redis_url: str, tp: int = 1
+    ) -> None:
+        self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
+        settings = {
+            "redis_url": redis_url,
+            "namespace": keys.namespace,
+            "checkpoint_dir": root / "checkpoints",
+            "weights_dir": root / "weights",
+            "publisher.tp": tp,
+        }
+        self.publisher = Publisher(load_config(env={}, overrides=settings))
+        self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
+        self.step = 0
+
+    def publish(self) -> int:
+        """Write the next snapshot and run one publisher pass: publish, evict, prune."""
+        self.step += 1
+        write_snapshot(self.root / "checkpoints", self.step, SMALL_GQA)
+        self.publisher.scan_once()
+        return int(self.client.get(self.keys.latest))
+
+    def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
+        return WeightsClient(
+            self.redis_url,
+            self.keys.namespace,
+            node_id,
+            self.root / "weights",
+            lease_seconds=lease_seconds,
+        )
+
+
+def split_per_rank(deployment: Deployment, version: int) -> int:
+    """Register a copy of ``version`` with per-rank files, as ``--per-rank-files`` writes it:
+    rank r's file holds, under the fused names, what ``rank_slice`` gives rank r."""
+    client, keys = deployment.client, deployment.keys
+    fields = client.hgetall(keys.version(version))
+    source = Path(fields[b"path"].decode())
+    manifest = Manifest.read(source)
+    tensors = load_file(str(source / "model.safetensors"))
+    target = source.parent / f"v{version}-per-rank"
+    target.mkdir()
+    shutil.copy(source / "config.json", target / "config.json")
+    entries, files = [], [file_entry(target / "config.json")]
+    for rank in range(manifest.tp):
+        name = f"model-rank-{rank:02d}-of-{manifest.tp:02d}.safetensors"
+        parts = {}
+        for entry in manifest.tensors:
+            part = rank_slice(entry.shard, entry.shape, rank, manifest.tp)
+            full = tensors[entry.name]
+            parts[entry.name] = (
+                full if part is None else full.narrow(part.dim, part.start, part.stop - part.start)
+            ).contiguous()
+            entries.append(
+                dataclasses.replace(
+                    entry, file=name, shape=list(parts[entry.name].shape), rank=rank
+                )
+            )
+        save_file(parts, str(target / name))
+        files.append(file_entry(target / name))
+    text = (
+        dataclasses.replace(manifest, files=files, tensors=entries, per_rank_files=True)
+        .to_json()
+        .encode()
+    )
+    (target / MANIFEST_NAME).write_bytes(text)
+    copy = version + 100
+    client.hset(
+        keys.version(copy),
+        mapping={**fields, b"path": str(target), b"manifest_sha256": sha256_bytes(text)},
+    )
+    client.zadd(keys.versions, {copy: copy})
+    return copy

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,23 +13,16 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from safetensors.torch import load_file, save_file
 
-from publisher.daemon import Publisher
-from shared.config import load_config
 from shared.keys import Keys
-from shared.layout import LayoutError, rank_slice
+from shared.layout import LayoutError
 from shared.manifest import (
-    MANIFEST_NAME,
-    Manifest,
-    file_entry,
-    sha256_bytes,
     verify_files,
 )
 from shared.redis_server import RedisServer
-from shared.weights_client import VersionGone, WeightsClient, WeightsError
+from shared.weights_client import VersionGone, WeightsError
 
-from helpers import REPO, hf_state, shape_of, write_snapshot
+from helpers import REPO, SMALL_GQA, Deployment, hf_state, split_per_rank
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,
@@ -39,42 +30,7 @@ from vllm_reference import (
     vocab_parallel_rank,
 )
 
-SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
-
-
-class Deployment:
-    """The real publisher, driven one snapshot at a time, plus readers of its versions."""
-
-    def __init__(
-        self, client: redis.Redis, keys: Keys, root: Path, redis_url: str, tp: int = 1
-    ) -> None:
-        self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
-        settings = {
-            "redis_url": redis_url,
-            "namespace": keys.namespace,
-            "checkpoint_dir": root / "checkpoints",
-            "weights_dir": root / "weights",
-            "publisher.tp": tp,
-        }
-        self.publisher = Publisher(load_config(env={}, overrides=settings))
-        self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
-        self.step = 0
-
-    def publish(self) -> int:
-        """Write the next snapshot and run one publisher pass: publish, evict, prune."""
-        self.step += 1
-        write_snapshot(self.root / "checkpoints", self.step, SHAPE)
-        self.publisher.scan_once()
-        return int(self.client.get(self.keys.latest))
-
-    def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
-        return WeightsClient(
-            self.redis_url,
-            self.keys.namespace,
-            node_id,
-            self.root / "weights",
-            lease_seconds=lease_seconds,
-        )
+SHAPE = SMALL_GQA
 
 
 @pytest.fixture
@@ -193,49 +149,6 @@ def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
     reader.report_loaded(1)
     assert b"node-a" in deployment.client.hkeys(deployment.keys.nodes)
     assert deployment.client.zcard(deployment.keys.leases(1)) == 0  # released on exit
-
-
-def split_per_rank(deployment: Deployment, version: int) -> int:
-    """Register a copy of ``version`` with per-rank files, as ``--per-rank-files`` writes it:
-    rank r's file holds, under the fused names, what ``rank_slice`` gives rank r."""
-    client, keys = deployment.client, deployment.keys
-    fields = client.hgetall(keys.version(version))
-    source = Path(fields[b"path"].decode())
-    manifest = Manifest.read(source)
-    tensors = load_file(str(source / "model.safetensors"))
-    target = source.parent / f"v{version}-per-rank"
-    target.mkdir()
-    shutil.copy(source / "config.json", target / "config.json")
-    entries, files = [], [file_entry(target / "config.json")]
-    for rank in range(manifest.tp):
-        name = f"model-rank-{rank:02d}-of-{manifest.tp:02d}.safetensors"
-        parts = {}
-        for entry in manifest.tensors:
-            part = rank_slice(entry.shard, entry.shape, rank, manifest.tp)
-            full = tensors[entry.name]
-            parts[entry.name] = (
-                full if part is None else full.narrow(part.dim, part.start, part.stop - part.start)
-            ).contiguous()
-            entries.append(
-                dataclasses.replace(
-                    entry, file=name, shape=list(parts[entry.name].shape), rank=rank
-                )
-            )
-        save_file(parts, str(target / name))
-        files.append(file_entry(target / name))
-    text = (
-        dataclasses.replace(manifest, files=files, tensors=entries, per_rank_files=True)
-        .to_json()
-        .encode()
-    )
-    (target / MANIFEST_NAME).write_bytes(text)
-    copy = version + 100
-    client.hset(
-        keys.version(copy),
-        mapping={**fields, b"path": str(target), b"manifest_sha256": sha256_bytes(text)},
-    )
-    client.zadd(keys.versions, {copy: copy})
-    return copy
 
 
 def vllm_rank(name: str, state: dict[str, torch.Tensor], tp: int, rank: int) -> torch.Tensor:
