@@ -227,11 +227,17 @@ def _run(args: argparse.Namespace, config: Config) -> int:
 
         return run_follow(config)
     from shared.keys import Keys
-    from shared.status import collect_status, format_status
+    from shared.status import collect_status, format_status, watch
 
-    status = collect_status(
-        redis.Redis.from_url(config.common.redis_url), Keys(config.common.namespace)
-    )
+    client = redis.Redis.from_url(config.common.redis_url)
+    keys = Keys(config.common.namespace)
+
+    def read() -> dict:
+        return collect_status(client, keys, config.follow.stale_seconds)
+
+    if args.watch is not None:
+        return watch(read, args.watch, args.json)
+    status = read()
     print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0
 

@@ -29,10 +29,21 @@ _IDLE_S = 0.05
 class Node:
     """Loads each new version once: lease, verify, read, report."""
 
-    def __init__(self, client: WeightsClient, want_model: bool) -> None:
+    def __init__(self, client: WeightsClient, want_model: bool, report_every: float) -> None:
         self.client = client
         self.want_model = want_model
+        self.report_every = report_every
         self.current = 0
+        """The version this node serves (0: none yet)."""
+        self.seen = 0
+        """The newest version tried, loaded or refused: no need to try it again."""
+        self.reported_at = 0.0
+
+    def report(self) -> None:
+        """Re-report the version served, so ``weightcast status`` sees the node is alive."""
+        if self.current and time.monotonic() - self.reported_at >= self.report_every:
+            self.client.report_loaded(self.current)
+            self.reported_at = time.monotonic()
 
     def load(self, version: int) -> ModelPolicy | None:
         """Load ``version``; the model when asked for one. None when it could not be used."""
@@ -48,7 +59,7 @@ class Node:
             return None
         except WeightsError as exc:
             log.error("refusing version", version=version, reason=str(exc))
-            self.current = version
+            self.seen = version
             return None
         policy = (
             ModelPolicy.from_published(version, config, tensors, info.tp)
@@ -56,7 +67,8 @@ class Node:
             else None
         )
         self.client.report_loaded(version)
-        self.current = version
+        self.current = self.seen = version
+        self.reported_at = time.monotonic()
         log.info(
             "loaded version",
             version=version,
@@ -87,14 +99,13 @@ def run_follow(config: Config) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     log.info("following", node_id=node_id, weights_dir=str(config.common.weights_dir))
-    node = Node(client, want_model=cfg.rollout)
+    node = Node(client, want_model=cfg.rollout, report_every=cfg.poll_seconds)
     if cfg.rollout:
         return _run_rollout(config, node, node_id, lambda: stopping)
     while not stopping:
-        version = client.wait_for_newer(
-            node.current, timeout=cfg.poll_seconds, poll=cfg.poll_seconds
-        )
+        version = client.wait_for_newer(node.seen, timeout=cfg.poll_seconds, poll=cfg.poll_seconds)
         if version is None:
+            node.report()
             continue
         node.load(version)
         if cfg.until_version and node.current >= cfg.until_version:
@@ -115,7 +126,7 @@ def _run_rollout(config: Config, node: Node, node_id: str, stopping: Any) -> int
 
     def refresh(policy: Policy) -> Policy | None:
         latest = node.client.latest()
-        return node.load(latest) if latest > max(policy.version, node.current) else None
+        return node.load(latest) if latest > max(policy.version, node.seen) else None
 
     def push(rollout: Rollout, version: int) -> str:
         return producer.push(rollout.tensors, version, reward=rollout.reward)
@@ -127,6 +138,7 @@ def _run_rollout(config: Config, node: Node, node_id: str, stopping: Any) -> int
     log.info("producing rollouts", max_pending=cfg.max_pending, group_size=cfg.group_size)
     idle_since = time.monotonic()
     while not stopping():
+        node.report()
         if loop.step():
             idle_since = time.monotonic()
             continue

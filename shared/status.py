@@ -1,17 +1,30 @@
-"""``weightcast status``: one read of the deployment's state, as a table or as JSON."""
+"""``weightcast status``: one read of the deployment's state, as a table or as JSON.
+
+Latest version and its age, live versions with their leases, inference nodes with the
+version each runs (stale ones marked), the trainer's heartbeat (every field it writes, so
+new fields show up without a change here) and the batch stream's depths.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import redis
 
 from shared.keys import TRAINER_GROUP, Keys
 
+HEARTBEAT_ORDER = ("step", "run_id", "consumer", "last_snapshot")
+"""Heartbeat fields shown first, by name; any others follow as ``key=value``."""
 
-def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
+CLEAR = "\x1b[H\x1b[2J"
+"""Cursor home and clear screen: ``--watch`` redraws in place."""
+
+
+def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0) -> dict[str, Any]:
     """Versions with their leases, nodes, trainer heartbeat and queue depths."""
     now = time.time()
     now_ms = now * 1000
@@ -31,20 +44,38 @@ def collect_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
                 "age_s": round(now - float(fields.get("created_at", now)), 1),
                 "bytes": int(fields.get("bytes", 0)),
                 "tp": int(fields.get("tp", 1)),
+                "layout": fields.get("layout", ""),
                 "path": fields.get("path", ""),
                 "leases": leases,
             }
         )
+    live = {v["version"] for v in versions}
+    latest = int(client.get(keys.latest) or 0)
     nodes = {}
     for node, value in client.hgetall(keys.nodes).items():
         entry = json.loads(value)
-        nodes[node.decode()] = {"version": entry["version"], "age_s": round(now - entry["at"], 1)}
-    heartbeat = {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()}
-    if heartbeat:
+        age = round(now - float(entry["at"]), 1)
+        stale = []
+        if age > stale_seconds:
+            stale.append(f"no report for {age:.0f}s")
+        if entry["version"] not in live:
+            stale.append(f"v{entry['version']} was evicted")
+        nodes[node.decode()] = {
+            "version": entry["version"],
+            "age_s": age,
+            "behind": max(0, latest - entry["version"]),
+            "stale": "; ".join(stale),
+        }
+    heartbeat: dict[str, Any] = {
+        k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()
+    }
+    if "at" in heartbeat:
         heartbeat["age_s"] = round(now - float(heartbeat.pop("at")), 1)
+    latest_info = next((v for v in versions if v["version"] == latest), None)
     return {
         "namespace": keys.namespace,
-        "latest": int(client.get(keys.latest) or 0),
+        "latest": latest,
+        "latest_age_s": latest_info["age_s"] if latest_info else None,
         "versions": versions,
         "nodes": nodes,
         "trainer": heartbeat,
@@ -72,10 +103,12 @@ def _stream_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
 
 def format_status(status: dict[str, Any]) -> str:
     """A readable table of :func:`collect_status`'s answer."""
-    lines = [f"namespace {status['namespace']}   latest version: {status['latest'] or '-'}", ""]
+    age = status["latest_age_s"]
+    latest = f"{status['latest'] or '-'}" + (f" ({age}s old)" if age is not None else "")
+    lines = [f"namespace {status['namespace']}   latest version: {latest}", ""]
     lines.append(f"{'version':>7} {'step':>6} {'age':>8} {'size':>10} {'tp':>3}  leases")
     for v in status["versions"]:
-        leases = ", ".join(f"{n} ({s}s)" for n, s in v["leases"].items()) or "-"
+        leases = ", ".join(f"{n} ({s}s left)" for n, s in v["leases"].items()) or "-"
         lines.append(
             f"{v['version']:>7} {v['step']:>6} {v['age_s']:>7}s "
             f"{_size(v['bytes']):>10} {v['tp']:>3}  {leases}"
@@ -84,26 +117,59 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append("   (no live versions)")
     lines += ["", "nodes:"]
     for node, n in sorted(status["nodes"].items()):
-        lines.append(f"  {node}: version {n['version']} ({n['age_s']}s ago)")
+        behind = f", {n['behind']} behind latest" if n["behind"] else ""
+        stale = f"  STALE: {n['stale']}" if n["stale"] else ""
+        lines.append(f"  {node}: v{n['version']} (reported {n['age_s']}s ago{behind}){stale}")
     if not status["nodes"]:
         lines.append("  (none)")
-    trainer = status["trainer"]
-    lines += [
-        "",
-        "trainer: "
-        + (
-            f"step {trainer['step']}, run {trainer['run_id']}, consumer {trainer['consumer']}, "
-            f"last snapshot {trainer['last_snapshot'] or '-'}, heartbeat {trainer['age_s']}s ago"
-            if trainer
-            else "no heartbeat yet"
-        ),
-    ]
+    lines += ["", "trainer: " + _format_heartbeat(status["trainer"])]
     s = status["stream"]
     lines.append(
         f"batches: {s['length']} in stream, {s['undelivered'] or 0} undelivered, "
         f"{s['pending']} pending, {s['dead_letters']} dead-lettered"
     )
     return "\n".join(lines)
+
+
+def _format_heartbeat(heartbeat: dict[str, Any]) -> str:
+    if not heartbeat:
+        return "no heartbeat yet"
+    known = [
+        f"step {heartbeat['step']}" if "step" in heartbeat else "",
+        f"run {heartbeat['run_id']}" if "run_id" in heartbeat else "",
+        f"consumer {heartbeat['consumer']}" if "consumer" in heartbeat else "",
+        f"last snapshot {heartbeat.get('last_snapshot') or '-'}",
+    ]
+    extra = [
+        f"{k}={v}" for k, v in sorted(heartbeat.items()) if k not in (*HEARTBEAT_ORDER, "age_s")
+    ]
+    age = f"heartbeat {heartbeat['age_s']}s ago" if "age_s" in heartbeat else ""
+    return ", ".join(part for part in (*known, age) if part) + (
+        "\n         " + " ".join(extra) if extra else ""
+    )
+
+
+def watch(
+    read: Callable[[], dict[str, Any]],
+    every: float,
+    as_json: bool,
+    out: TextIO = sys.stdout,
+) -> int:
+    """Redraw the status every ``every`` seconds until Ctrl-C (JSON: one line per read)."""
+    try:
+        while True:
+            status = read()
+            if as_json:
+                out.write(json.dumps(status) + "\n")
+            else:
+                stamp = time.strftime("%H:%M:%S")
+                out.write(
+                    f"{CLEAR}{format_status(status)}\n\n{stamp}, every {every:g}s; Ctrl-C to stop\n"
+                )
+            out.flush()
+            time.sleep(every)
+    except KeyboardInterrupt:
+        return 0
 
 
 def _size(n: float) -> str:
