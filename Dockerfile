@@ -1,4 +1,5 @@
-# weightcast: one image for the trainer, the publisher and the clients (`weightcast <command>`).
+# weightcast: one image for the trainer, the publisher and the clients (`weightcast <command>`),
+# with the `demo` extra (transformers) so `follow --rollout` runs the toy RL loop.
 # GPU (default): torch from PyPI, a CUDA build. CPU-only image:
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
 FROM python:3.11-slim
@@ -15,7 +16,7 @@ COPY pyproject.toml README.md ./
 COPY shared ./shared
 COPY trainer ./trainer
 COPY publisher ./publisher
-RUN pip install .
+RUN pip install ".[demo]"
 
 ENTRYPOINT ["weightcast"]
 CMD ["--help"]

@@ -62,7 +62,13 @@ class ModelPolicy:
     """A published version in transformers' ``Qwen3ForCausalLM``, sampled with a KV cache."""
 
     def __init__(self, version: int, config: Mapping[str, Any], hf_tensors: dict[str, Any]):
-        from transformers import Qwen3Config, Qwen3ForCausalLM
+        try:
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+        except ImportError as exc:
+            raise ImportError(
+                "the rollout node samples with transformers, which is not installed: "
+                "pip install 'weightcast[demo]'"
+            ) from exc
 
         self.version = version
         self.vocab_size = int(config["vocab_size"])

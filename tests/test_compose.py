@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 import yaml
@@ -88,15 +89,48 @@ def test_daemons_share_the_directories_the_design_says(compose: dict) -> None:
     assert "weights" not in mounts("trainer")
 
 
+def parse_command(service: dict):
+    """The service's command as ``weightcast`` parses it, ``${VAR:-default}`` expanded."""
+    argv = [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg) for arg in service["command"]]
+    return build_parser().parse_args(argv)
+
+
 def test_service_commands_are_valid_weightcast_invocations(compose: dict) -> None:
-    parser = build_parser()
+    services = compose["services"]
+    expected = {
+        "trainer": "trainer",
+        "publisher": "publisher",
+        "producer": "follow",
+        "follower": "follow",
+    }
+    assert set(services) - {"redis"} == set(expected)
+    for name, command in expected.items():
+        assert parse_command(services[name]).command == command, name
+
+
+def test_daemon_healthchecks_probe_the_healthz_port_the_daemon_serves(compose: dict) -> None:
     for name in ("trainer", "publisher"):
-        argv = [
-            re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", arg)
-            for arg in compose["services"][name]["command"]
-        ]
-        args = parser.parse_args(argv)
-        assert args.command == name
+        service = compose["services"][name]
+        port = vars(parse_command(service))[f"{name}.metrics_port"]
+        probe = " ".join(service["healthcheck"]["test"])
+        assert f"http://127.0.0.1:{port}/healthz" in probe, name
+        assert service["healthcheck"]["start_period"]  # torch import time is not a failure
+        assert service["restart"] == "unless-stopped"
+
+
+def test_demo_profile_runs_a_rollout_producer_and_a_follower(compose: dict) -> None:
+    services = compose["services"]
+    demo = {name for name, s in services.items() if "demo" in s.get("profiles", [])}
+    assert demo == {"producer", "follower"}
+    assert all("profiles" not in services[n] for n in ("redis", "trainer", "publisher"))
+    assert vars(parse_command(services["producer"]))["follow.rollout"] is True
+    assert "follow.rollout" not in vars(parse_command(services["follower"]))
+    for name in demo:
+        service = services[name]
+        weights_dir = service["environment"]["WEIGHTCAST_WEIGHTS_DIR"]
+        assert f"weights:{weights_dir}:ro" in service["volumes"], name
+        assert service["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert service["environment"]["WEIGHTCAST_REDIS_URL"].startswith("redis://redis:")
 
 
 def test_dockerfile_copies_paths_that_exist_and_runs_weightcast() -> None:
@@ -108,3 +142,6 @@ def test_dockerfile_copies_paths_that_exist_and_runs_weightcast() -> None:
                 assert (REPO / source).exists(), f"Dockerfile copies missing {source}"
     assert 'ENTRYPOINT ["weightcast"]' in dockerfile
     assert "ARG TORCH_INDEX_URL" in dockerfile  # the CPU build argument
+    assert 'pip install ".[demo]"' in dockerfile  # transformers, for follow --rollout
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("transformers") for d in extras["optional-dependencies"]["demo"])
