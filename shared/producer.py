@@ -64,16 +64,22 @@ def _trainer_group(groups: Sequence[Mapping[str, Any]]) -> tuple[int | None, str
 
 
 class _ProducerBase:
-    """What both variants share: settings, encoding and the timeout message."""
+    """What both variants share: settings, the connection, encoding, the timeout message.
+
+    ``max_pending`` bounds the undelivered entries (0: no bound); ``limits`` are what the
+    trainer accepts (vocab size, sequence length), checked when given.
+    """
 
     def __init__(
         self,
-        namespace: str,
-        name: str,
-        max_pending: int,
-        timeout: float,
-        limits: BatchLimits,
-        poll: float,
+        redis_url: str,
+        namespace: str = "wc",
+        *,
+        name: str = "",
+        max_pending: int = 16,
+        timeout: float = 300.0,
+        limits: BatchLimits = NO_LIMITS,
+        poll: float = 0.05,
     ) -> None:
         if max_pending < 0:
             raise ValueError(f"max_pending must be >= 0 (0 = unbounded), got {max_pending}")
@@ -83,6 +89,14 @@ class _ProducerBase:
         self.timeout = timeout
         self.limits = limits
         self.poll = poll
+        self.redis = self._connect(redis_url)
+        self._count_after = self.redis.register_script(_COUNT_AFTER)
+        self._group_ready = False
+        """The ``trainer`` group exists (created at id 0 by the first push if not)."""
+
+    @staticmethod
+    def _connect(redis_url: str) -> Any:
+        raise NotImplementedError
 
     def encode(
         self, tensors: Mapping[str, torch.Tensor], policy_version: int, meta: Mapping[str, Any]
@@ -104,27 +118,13 @@ class _ProducerBase:
 
 
 class BatchProducer(_ProducerBase):
-    """Pushes micro-batches onto ``{wc}:batches``; a bad batch raises ``InvalidBatch`` here.
+    """Pushes micro-batches onto ``{wc}:batches``; a bad batch raises ``InvalidBatch`` here."""
 
-    ``max_pending`` bounds the undelivered entries (0: no bound); ``limits`` are what the
-    trainer accepts (vocab size, sequence length), checked when given.
-    """
+    redis: redis.Redis
 
-    def __init__(
-        self,
-        redis_url: str,
-        namespace: str = "wc",
-        *,
-        name: str = "",
-        max_pending: int = 16,
-        timeout: float = 300.0,
-        limits: BatchLimits = NO_LIMITS,
-        poll: float = 0.05,
-    ) -> None:
-        super().__init__(namespace, name, max_pending, timeout, limits, poll)
-        self.redis = redis.Redis.from_url(redis_url)
-        self._count_after = self.redis.register_script(_COUNT_AFTER)
-        ensure_group(self.redis, self.keys)
+    @staticmethod
+    def _connect(redis_url: str) -> redis.Redis:
+        return redis.Redis.from_url(redis_url)
 
     def latest_version(self) -> int:
         """The newest published version (0 before the first): tag batches sampled from it."""
@@ -132,6 +132,7 @@ class BatchProducer(_ProducerBase):
 
     def undelivered(self) -> int:
         """Entries the ``trainer`` group has not been handed yet (capped past the limit)."""
+        self._ensure_group()
         found = _trainer_group(self.redis.xinfo_groups(self.keys.batches))
         if found is None:
             return self.redis.xlen(self.keys.batches)
@@ -155,36 +156,33 @@ class BatchProducer(_ProducerBase):
     def push(self, tensors: Mapping[str, torch.Tensor], policy_version: int, **meta: Any) -> str:
         """Validate, wait for room, add; the stream entry id."""
         fields = self.encode(tensors, policy_version, meta)
+        self._ensure_group()
         self.wait_for_room()
         return self.redis.xadd(self.keys.batches, fields).decode()
 
     def close(self) -> None:
         self.redis.close()
 
+    def _ensure_group(self) -> None:
+        if not self._group_ready:
+            ensure_group(self.redis, self.keys)
+            self._group_ready = True
+
 
 class AsyncBatchProducer(_ProducerBase):
     """:class:`BatchProducer` for asyncio code (redis.asyncio); waiting never blocks the loop."""
 
-    def __init__(
-        self,
-        redis_url: str,
-        namespace: str = "wc",
-        *,
-        name: str = "",
-        max_pending: int = 16,
-        timeout: float = 300.0,
-        limits: BatchLimits = NO_LIMITS,
-        poll: float = 0.05,
-    ) -> None:
-        super().__init__(namespace, name, max_pending, timeout, limits, poll)
-        self.redis = redis.asyncio.Redis.from_url(redis_url)
-        self._count_after = self.redis.register_script(_COUNT_AFTER)
-        self._group_ready = False
+    redis: redis.asyncio.Redis
+
+    @staticmethod
+    def _connect(redis_url: str) -> redis.asyncio.Redis:
+        return redis.asyncio.Redis.from_url(redis_url)
 
     async def latest_version(self) -> int:
         return int(await self.redis.get(self.keys.latest) or 0)
 
     async def undelivered(self) -> int:
+        await self._ensure_group()
         found = _trainer_group(await self.redis.xinfo_groups(self.keys.batches))
         if found is None:
             return await self.redis.xlen(self.keys.batches)
@@ -210,20 +208,23 @@ class AsyncBatchProducer(_ProducerBase):
         self, tensors: Mapping[str, torch.Tensor], policy_version: int, **meta: Any
     ) -> str:
         fields = self.encode(tensors, policy_version, meta)
-        if not self._group_ready:
-            try:
-                await self.redis.xgroup_create(
-                    self.keys.batches, TRAINER_GROUP, id="0", mkstream=True
-                )
-            except redis.ResponseError as exc:
-                if "BUSYGROUP" not in str(exc):
-                    raise
-            self._group_ready = True
+        await self._ensure_group()
         await self.wait_for_room()
         return (await self.redis.xadd(self.keys.batches, fields)).decode()
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+    async def _ensure_group(self) -> None:
+        """``shared.streams.ensure_group`` on the asyncio client."""
+        if self._group_ready:
+            return
+        try:
+            await self.redis.xgroup_create(self.keys.batches, TRAINER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
 
 
 def synthetic_batch(
