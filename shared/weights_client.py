@@ -237,7 +237,10 @@ class WeightsClient:
         for file in sorted({e.file for e in entries}):
             with safe_open(str(info.path / file), framework="pt") as reader:
                 for entry in (e for e in entries if e.file == file):
-                    tensor_slice = reader.get_slice(entry.name)
+                    try:
+                        tensor_slice = reader.get_slice(entry.name)
+                    except Exception:  # safetensors' own error type for a missing name
+                        raise WeightsError(f"{file}: holds no tensor {entry.name}") from None
                     if manifest.per_rank_files:
                         tensor = tensor_slice[:]
                         _check_shape(entry, tensor)
