@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from shared.manifest import (
 from shared.redis_server import RedisServer
 from shared.weights_client import VersionGone, WeightsError
 
-from helpers import REPO, SMALL_GQA, Deployment, hf_state, split_per_rank
+from helpers import REPO, SMALL_GQA, Deployment, hf_state, split_per_rank, weightcast
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,
@@ -209,3 +210,29 @@ def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
         next(reader.tensors_for_rank(per_rank, 1, 2))
     with pytest.raises(WeightsError, match="per-rank files"):
         reader.load(per_rank)
+
+
+@pytest.mark.slow
+def test_follow_skips_a_corrupted_version_and_loads_the_next(
+    deployment: Deployment, cli_env: dict[str, str]
+) -> None:
+    deployment.publish()
+    weights = deployment.root / "weights" / "v1" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    follower = subprocess.Popen(
+        weightcast("follow", "--node-id", "n1", "--poll-seconds", "0.2", "--until-version", "2"),
+        env={**cli_env, "WEIGHTCAST_WEIGHTS_DIR": str(deployment.root / "weights")},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for line in follower.stdout:
+        if "refusing version" in line:
+            assert "model.safetensors" in line
+            break
+    assert deployment.client.hget(deployment.keys.nodes, "n1") is None  # v1 never served
+    deployment.publish()
+    assert follower.wait(timeout=60) == 0
+    assert json.loads(deployment.client.hget(deployment.keys.nodes, "n1"))["version"] == 2
+    assert deployment.client.zcard(deployment.keys.leases(2)) == 0
