@@ -60,6 +60,9 @@ class TrainState(Stateful):
         self.applied_set.update(decode_ids(ids))
         self.since_checkpoint += len(ids)
 
+    def applied_ids(self) -> list[str]:
+        return decode_ids(self.applied)
+
     def checkpointed(self) -> None:
         """Trim the log before a checkpoint; entries from earlier checkpoints are acked."""
         keep = max(self.history, self.since_checkpoint)
