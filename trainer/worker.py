@@ -95,6 +95,10 @@ def build_job_config(cfg: TrainerConfig, resume_dir: Path | None = None) -> Forg
                     f"known: {', '.join(sorted(names))}"
                 )
             setattr(section, key, value)
+    if job.model.name != TRAIN_SPEC_NAME:
+        raise ConfigError(
+            f"[trainer.model] name must stay {TRAIN_SPEC_NAME!r} (choose the flavor instead)"
+        )
     job.checkpoint.enable = True
     job.checkpoint.folder = str(resume_dir or Path(job.checkpoint.folder).absolute())
     job.checkpoint.last_save_model_only = False
@@ -124,11 +128,13 @@ class Trainer(ForgeEngine):
         for message in _CPU_NOISE:
             warnings.filterwarnings("ignore", message=message)
         register_train_spec()
-        flavor = flavor_args(cfg.model)
         self.resume_dir = resume_dir_of(config)
+        job = build_job_config(cfg, self.resume_dir)
+        self.flavor_name = job.model.flavor
+        flavor = flavor_args(self.flavor_name)
         self.train_state = TrainState(cfg.applied_history)
         _default_dist_env()
-        super().__init__(build_job_config(cfg, self.resume_dir))
+        super().__init__(job)
         dims = self.parallel_dims
         if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:
             raise ConfigError(
@@ -168,7 +174,11 @@ class Trainer(ForgeEngine):
         self.to_ack: list[str] = []
         adapter = self.train_spec.state_dict_adapter(self.model_args, None)
         self.snapshots = SnapshotWriter(
-            config.common.checkpoint_dir, adapter.to_hf, hf_config(flavor), cfg.model, self.run_id
+            config.common.checkpoint_dir,
+            adapter.to_hf,
+            hf_config(flavor),
+            self.flavor_name,
+            self.run_id,
         )
         self.publish_skipped = 0
         self.telemetry = Telemetry(self.redis, self.keys, cfg.metrics_port, self.leader)
@@ -238,7 +248,7 @@ class Trainer(ForgeEngine):
             "trainer started",
             run_id=self.run_id,
             consumer=self.consumer,
-            model=self.cfg.model,
+            model=self.flavor_name,
             step=self.train_state.step,
             steps=steps or "unbounded",
             micro_batches=self.cfg.micro_batches,
@@ -284,11 +294,11 @@ class Trainer(ForgeEngine):
             policy_lag=lag,
             entries=",".join(item.entry_id for item in items),
         )
-        last = state.step == self.cfg.steps
-        if state.step % self.resume_every == 0 and not last:
-            self._checkpoint()
-        if state.step % self.cfg.publish_every == 0 or last:
-            self._publish(wait=last)
+        if state.step != self.cfg.steps:  # the last step's are written by _finish
+            if state.step % self.resume_every == 0:
+                self._checkpoint()
+            if state.step % self.cfg.publish_every == 0:
+                self._publish(wait=False)
         self._report()
 
     def _wanted(self) -> int:
@@ -355,9 +365,16 @@ class Trainer(ForgeEngine):
         self.telemetry.heartbeat(force=force)
 
     def _finish(self) -> None:
-        """Wait for the snapshot in flight, checkpoint and acknowledge what was trained."""
+        """Checkpoint and acknowledge what was trained; at ``steps``, publish the last step.
+
+        The last snapshot is written even when a resumed run finds ``steps`` already done,
+        so a run always ends with a snapshot of its final weights.
+        """
         self.snapshots.wait()
         _barrier()
+        step = self.train_state.step
+        if self.cfg.steps and step >= self.cfg.steps and self.snapshots.last_step != step:
+            self._publish(wait=True)
         self._checkpoint()
         self._report(force=True)
         log.info(
