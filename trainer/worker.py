@@ -260,7 +260,8 @@ class Trainer(ForgeEngine):
         self._report(force=True)
         while not (steps and self.train_state.step >= steps):
             self._fill()
-            stop, waiting = self._agree(self.stop_requested, len(self.buffer) < self._wanted())
+            waiting = len(self.buffer) < self.cfg.micro_batches
+            stop, waiting = self._agree(self.stop_requested, waiting)
             if stop:
                 break
             if waiting:
@@ -270,19 +271,31 @@ class Trainer(ForgeEngine):
         self._finish()
 
     def _step(self) -> None:
+        """Train one step, then checkpoint and start a snapshot when due.
+
+        ``step_seconds`` covers all of it (a snapshot costs the loop its staging copy), so
+        the heartbeat's ``tokens_per_s`` is what training really sustains.
+        """
         start = time.perf_counter()
-        items, self.buffer = self.buffer[: self.cfg.micro_batches], self.buffer[self._wanted() :]
+        wanted = self.cfg.micro_batches
+        items, self.buffer = self.buffer[:wanted], self.buffer[wanted:]
         metrics = self.train_step([item.batch for item in items])
         state = self.train_state
         state.record(self._gather_ids([item.entry_id for item in items]))
         state.step += 1
         self.to_ack += [item.entry_id for item in items]
+        if state.step != self.cfg.steps:  # the last step's are written by _finish
+            if state.step % self.resume_every == 0:
+                self._checkpoint()
+            if state.step % self.cfg.publish_every == 0:
+                self._publish(wait=False)
         seconds = time.perf_counter() - start
         lag = max(self.batches.policy_lag(item.batch) for item in items)
+        tokens = metrics.pop("tokens")
         self.telemetry.update(
             step=state.step,
-            **{k: v for k, v in metrics.items() if k != "tokens"},
-            tokens_per_s=metrics["tokens"] / seconds,
+            **metrics,
+            tokens_per_s=tokens / seconds,
             step_seconds=seconds,
             last_policy_lag=lag,
         )
@@ -290,23 +303,17 @@ class Trainer(ForgeEngine):
             "step",
             step=state.step,
             **metrics,
-            tokens_per_s=metrics["tokens"] / seconds,
+            tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds,
             policy_lag=lag,
             entries=",".join(item.entry_id for item in items),
         )
-        if state.step != self.cfg.steps:  # the last step's are written by _finish
-            if state.step % self.resume_every == 0:
-                self._checkpoint()
-            if state.step % self.cfg.publish_every == 0:
-                self._publish(wait=False)
         self._report()
-
-    def _wanted(self) -> int:
-        return self.cfg.micro_batches
 
     def _fill(self) -> None:
         """Read until this rank holds its micro-batches or one wait came back empty."""
-        while len(self.buffer) < self._wanted() and not self.stop_requested:
+        while len(self.buffer) < self.cfg.micro_batches and not self.stop_requested:
             item = self.batches.poll()
             if item is None:
                 return
