@@ -7,18 +7,21 @@ reads the final train state from the resume checkpoint on disk.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import re
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import redis
 
 from shared.keys import TRAINER_GROUP, Keys
+from shared.redis_server import free_port
 
 from helpers import (
     REPO,
@@ -239,9 +242,20 @@ def test_sigterm_finishes_the_step_checkpoints_acks_and_a_restart_trains_the_res
 ) -> None:
     produced = push_batches(client, keys, 30)
     log = tmp_path / "trainer.log"
-    trainer = start_trainer(cli_env, log, "--consumer", "c", "--publish-every", "100")
+    port = free_port()
+    trainer = start_trainer(
+        cli_env, log, "--consumer", "c", "--publish-every", "100", "--metrics-port", str(port)
+    )
     try:
         wait_for(lambda: "step=3 " in log.read_text(), 120, "three steps")
+        # While it runs: Prometheus metrics and a healthy /healthz.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+        step = re.search(r"^weightcast_trainer_step (\S+)$", metrics, re.MULTILINE)
+        assert step and float(step[1]) >= 3, metrics
+        assert "weightcast_trainer_publish_skipped" in metrics
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as reply:
+            assert reply.status == 200 and json.loads(reply.read())["ok"] is True
         trainer.send_signal(signal.SIGTERM)
         assert trainer.wait(timeout=60) == 0, log.read_text()[-3000:]
     finally:

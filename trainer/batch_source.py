@@ -63,6 +63,9 @@ class BatchSource:
         self.settings = settings
         self.backlog: deque[tuple[str, Fields]] = deque()
         self.applied: Container[str] = ()
+        self.found_applied: list[str] = []
+        """Re-delivered entries the weights already hold: ack them with the next checkpoint
+        (they may have been applied after the last one, by a sibling rank)."""
         self.dead_lettered = 0
         self.stale_dropped = 0
         self.already_applied = 0
@@ -74,8 +77,10 @@ class BatchSource:
     def recover(self, applied: Container[str]) -> None:
         """Queue this consumer's pending entries, then claim idle ones of dead consumers.
 
-        ``applied`` holds the entries the loaded checkpoint already contains: those are
-        acknowledged without training (the crash came between checkpoint and XACK).
+        ``applied`` (kept, and updated by the trainer as it trains) holds the entries the
+        weights already contain: those are never trained again but collected in
+        :attr:`found_applied`, for the trainer to acknowledge once a checkpoint holds them
+        (at start, the loaded one does: the crash came between checkpoint and XACK).
         """
         self.applied = applied
         start = "0"
@@ -158,8 +163,11 @@ class BatchSource:
         return self.latest - batch.policy_version
 
     def ack(self, entry_ids: Sequence[str]) -> None:
-        if entry_ids:
-            self.client.xack(self.keys.batches, TRAINER_GROUP, *entry_ids)
+        """Acknowledge ``entry_ids`` and the re-delivered entries found already applied."""
+        ids = [*entry_ids, *self.found_applied]
+        self.found_applied = []
+        if ids:
+            self.client.xack(self.keys.batches, TRAINER_GROUP, *ids)
 
     def _admit(self, entries: list[tuple[str, Fields]], fresh: bool = False) -> None:
         """Sort entries: already applied, delivered too often, or to train.
@@ -169,11 +177,11 @@ class BatchSource:
         deliveries = {} if fresh else self._deliveries([entry_id for entry_id, _ in entries])
         for entry_id, fields in entries:
             if not fields:  # deleted from the stream (XTRIM/XDEL) while pending
-                self.ack([entry_id])
+                self.client.xack(self.keys.batches, TRAINER_GROUP, entry_id)
             elif entry_id in self.applied:
-                self.ack([entry_id])
+                self.found_applied.append(entry_id)
                 self.already_applied += 1
-                log.info("acknowledged an entry the checkpoint already holds", entry=entry_id)
+                log.info("re-delivered entry is already applied; not training it", entry=entry_id)
             elif deliveries.get(entry_id, 1) > self.settings.max_deliveries:
                 self._dead_letter(
                     entry_id,

@@ -68,7 +68,7 @@ class TrainState(Stateful):
         keep = max(self.history, self.since_checkpoint)
         if len(self.applied) > keep:
             self.applied = self.applied[-keep:].clone()
-            self.applied_set = set(decode_ids(self.applied))
+            self._reset_set()
         self.since_checkpoint = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -84,10 +84,15 @@ class TrainState(Stateful):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.step = int(state_dict["step"])
         self.applied = state_dict["applied"].clone()
-        self.applied_set = set(decode_ids(self.applied))
+        self._reset_set()
         raw = bytes(state_dict["run_id"].tolist())
         self.run_id = raw.rstrip(b"\0").decode()
         self.since_checkpoint = 0
+
+    def _reset_set(self) -> None:
+        """Rebuild the id set in place: the batch source holds a reference to it."""
+        self.applied_set.clear()
+        self.applied_set.update(decode_ids(self.applied))
 
     def size_for(self, checkpoint: Path) -> None:
         """Give ``applied`` the checkpoint's length so that DCP can load into it."""

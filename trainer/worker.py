@@ -170,6 +170,7 @@ class Trainer(ForgeEngine):
             ),
         )
         self.batches.recover(self.train_state.applied_set)
+        self.batches.ack([])  # what the loaded checkpoint holds is durable already
         self.buffer: list[StreamBatch] = []
         self.to_ack: list[str] = []
         adapter = self.train_spec.state_dict_adapter(self.model_args, None)
