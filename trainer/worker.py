@@ -310,7 +310,7 @@ class Trainer(ForgeEngine):
             policy_lag=lag,
             entries=",".join(item.entry_id for item in items),
         )
-        self._report()
+        self._report(force=True)
 
     def _fill(self) -> None:
         """Read until this rank holds its micro-batches or one wait came back empty."""
