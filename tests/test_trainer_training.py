@@ -137,3 +137,10 @@ def test_example_configs_load_and_build_a_torchtitan_job(example: str) -> None:
     assert Path(job.checkpoint.folder).is_absolute()
     assert job.training.seq_len == config.trainer.seq_len
     assert config.trainer.titan["optimizer"]["lr"] == job.optimizer.lr
+
+
+@pytest.mark.slow
+def test_a_loss_that_cannot_be_loaded_is_a_configuration_error(cli_env: dict[str, str]) -> None:
+    result = run_weightcast(cli_env, "trainer", "--loss", "no_such_package_xyz:loss")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "trainer.loss: cannot load loss 'no_such_package_xyz:loss'" in result.stderr

@@ -127,6 +127,10 @@ class Trainer(ForgeEngine):
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(cfg, name)}")
         for message in _CPU_NOISE:
             warnings.filterwarnings("ignore", message=message)
+        try:
+            self.loss = get_loss(cfg.loss)
+        except ValueError as exc:
+            raise ConfigError(f"trainer.loss: {exc}") from None
         register_train_spec()
         self.resume_dir = resume_dir_of(config)
         job = build_job_config(cfg, self.resume_dir)
@@ -141,7 +145,6 @@ class Trainer(ForgeEngine):
                 "only data parallelism (FSDP) is supported: every rank reads its own batches"
             )
         self.cfg = cfg
-        self.loss = get_loss(cfg.loss)
         self.loss_settings = LossSettings(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
         self.stop_requested = False
         self.leader = torch.distributed.get_rank() == 0
@@ -186,7 +189,7 @@ class Trainer(ForgeEngine):
         self.telemetry.update(
             step=self.train_state.step,
             run_id=self.run_id,
-            consumer=consumer if self.dp_degree > 1 else self.consumer,
+            consumer=consumer,
             last_snapshot="",
             world_size=self.world,
         )
