@@ -1,7 +1,8 @@
-"""The training loop: read a batch, take an optimizer step, acknowledge, snapshot every K.
+"""The training loop: read micro-batches, step, checkpoint, acknowledge, snapshot every K.
 
-``Trainer`` is torchtitan's ForgeEngine (model, parallelism, optimizer, LR schedule) plus the
-pieces weightcast adds: a Redis batch source, a policy loss and a snapshot writer.
+``Trainer`` is torchtitan's ForgeEngine (model, parallelism, optimizer, LR schedule, resume
+checkpointer) plus the pieces weightcast adds: a Redis batch source, a policy loss, the train
+state of applied stream ids, a background snapshot writer and telemetry.
 """
 
 from __future__ import annotations
