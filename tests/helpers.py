@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from shared.keys import Keys
 from shared.layout import ModelShape
 from shared.producer import BatchProducer, synthetic_batch
+from shared.redis_server import free_port
 from shared.snapshots import SnapshotInfo, snapshot_name
 from trainer.resume import TrainState, newest_checkpoint, read_train_state
 
@@ -177,3 +178,12 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, every: 
         assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         time.sleep(every)
     return result
+
+
+def run_torchrun_trainer(
+    env: dict[str, str], nproc: int, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node <nproc> -m trainer <args>`` on a free master port."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    command += ["--master_port", str(free_port()), "-m", "trainer", *args]
+    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +13,17 @@ import trainer  # noqa: F401  (must precede torchtitan: picks the CPU device typ
 from shared.config import load_config
 from shared.keys import Keys
 from shared.producer import BatchProducer
-from shared.redis_server import free_port
 from trainer.model import TRAIN_SPEC_NAME
 from trainer.worker import build_job_config, resume_dir_of
 
-from helpers import REPO, checkpoint_model, final_train_state, push_batches, run_weightcast
+from helpers import (
+    REPO,
+    checkpoint_model,
+    final_train_state,
+    push_batches,
+    run_torchrun_trainer,
+    run_weightcast,
+)
 
 EXAMPLES = REPO / "examples"
 
@@ -90,22 +94,7 @@ def test_fsdp_snapshot_publishes_the_same_bytes_as_a_single_process_one(
     # Two ranks resume the same weights (resharded by DCP) and snapshot them with FSDP.
     fsdp_env = with_namespace(cli_env, tmp_path, "fsdp")
     shutil.copytree(tmp_path / "checkpoints-resume", tmp_path / "fsdp" / "checkpoints-resume")
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "trainer",
-        "--steps",
-        "1",
-    ]
-    ranks = subprocess.run(
-        torchrun, env=fsdp_env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    ranks = run_torchrun_trainer(fsdp_env, 2, "--steps", "1")
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     snapshot = tmp_path / "fsdp" / "checkpoints" / "step-1"
     assert sorted(p.name for p in snapshot.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
