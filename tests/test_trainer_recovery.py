@@ -274,3 +274,29 @@ def test_sigterm_finishes_the_step_checkpoints_acks_and_a_restart_trains_the_res
     result = run_weightcast(cli_env, "trainer", "--consumer", "c", "--steps", str(len(produced)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert_each_applied_once_or_dead(client, keys, tmp_path / "checkpoints-resume", produced)
+
+
+def test_entries_a_checkpoint_holds_but_were_never_acked_are_acked_not_retrained(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """The state a crash between a durable checkpoint and its XACK leaves behind."""
+    first = list(push_batches(client, keys, 2))
+    trained = run_weightcast(cli_env, "trainer", "--consumer", "x", "--steps", "2")
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    # The same entries (same stream ids) delivered to "x" and never acknowledged, in a second
+    # namespace whose trainer resumes from that checkpoint; plus one entry it never saw.
+    other = Keys(f"{keys.namespace}-b")
+    for entry_id, fields in client.xrange(keys.batches):
+        client.xadd(other.batches, fields, id=entry_id)
+    client.xgroup_create(other.batches, TRAINER_GROUP, id="0")
+    client.xreadgroup(TRAINER_GROUP, "x", {other.batches: ">"})
+    (new,) = push_batches(client, other, 1, prefix="new")
+    env = {**cli_env, "WEIGHTCAST_NAMESPACE": other.namespace}
+    resumed = run_weightcast(env, "trainer", "--consumer", "x", "--steps", "3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    assert resumed.stderr.count("re-delivered entry is already applied") == 2
+    assert re.findall(r"step=\d+ .* entries=(\S+)", resumed.stderr) == [new]
+    assert final_train_state(tmp_path / "checkpoints-resume").applied_ids() == [*first, new]
+    assert heartbeat(client, other)["already_applied"] == "2"
+    assert pending(client, other) == 0
