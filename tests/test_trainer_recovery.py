@@ -300,3 +300,27 @@ def test_entries_a_checkpoint_holds_but_were_never_acked_are_acked_not_retrained
     assert final_train_state(tmp_path / "checkpoints-resume").applied_ids() == [*first, new]
     assert heartbeat(client, other)["already_applied"] == "2"
     assert pending(client, other) == 0
+
+
+def test_an_entry_waiting_for_its_step_is_not_claimed_back_into_the_same_step(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """XAUTOCLAIM also returns this consumer's own idle entries: they must not be doubled."""
+    (first,) = push_batches(client, keys, 1)
+    log = tmp_path / "trainer.log"
+    args = ("--micro-batches", "2", "--claim-idle-s", "0.5", "--steps", "1", "--consumer", "w")
+    trainer = start_trainer(cli_env, log, *args)
+    try:
+        # The first entry waits for a second one while claims run every quarter second.
+        wait_for(
+            lambda: trainer.poll() is not None or log.read_text().count("claimed idle") >= 3,
+            60,
+            "claims",
+        )
+        (second,) = push_batches(client, keys, 1, prefix="second")
+        assert trainer.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    assert final_train_state(tmp_path / "checkpoints-resume").applied_ids() == [first, second]
+    assert pending(client, keys) == 0

@@ -62,6 +62,9 @@ class BatchSource:
         self.limits = limits
         self.settings = settings
         self.backlog: deque[tuple[str, Fields]] = deque()
+        self.held: set[str] = set()
+        """Entries queued or handed out and not yet acknowledged: XAUTOCLAIM also returns
+        this consumer's own idle entries, which must not be queued a second time."""
         self.applied: Container[str] = ()
         self.found_applied: list[str] = []
         """Re-delivered entries the weights already hold: ack them with the next checkpoint
@@ -145,7 +148,7 @@ class BatchSource:
             return None
         lag = self.policy_lag(batch)
         if 0 <= self.settings.max_policy_lag < lag:
-            self.client.xack(self.keys.batches, TRAINER_GROUP, entry_id)
+            self.ack([entry_id])
             self.stale_dropped += 1
             log.warning(
                 "dropped a stale batch",
@@ -166,6 +169,7 @@ class BatchSource:
         """Acknowledge ``entry_ids`` and the re-delivered entries found already applied."""
         ids = [*entry_ids, *self.found_applied]
         self.found_applied = []
+        self.held.difference_update(ids)
         if ids:
             self.client.xack(self.keys.batches, TRAINER_GROUP, *ids)
 
@@ -176,6 +180,8 @@ class BatchSource:
         """
         deliveries = {} if fresh else self._deliveries([entry_id for entry_id, _ in entries])
         for entry_id, fields in entries:
+            if entry_id in self.held:
+                continue
             if not fields:  # deleted from the stream (XTRIM/XDEL) while pending
                 self.client.xack(self.keys.batches, TRAINER_GROUP, entry_id)
             elif entry_id in self.applied:
@@ -191,6 +197,7 @@ class BatchSource:
                 )
             else:
                 self.backlog.append((entry_id, fields))
+                self.held.add(entry_id)
 
     def _deliveries(self, entry_ids: list[str]) -> dict[str, int]:
         pipe = self.client.pipeline(transaction=False)
@@ -206,5 +213,6 @@ class BatchSource:
 
     def _dead_letter(self, entry_id: str, fields: Fields, reason: str) -> None:
         dead_letter(self.client, self.keys, entry_id, fields, reason)
+        self.held.discard(entry_id)
         self.dead_lettered += 1
         log.warning("dead-lettered batch", entry=entry_id, reason=reason)
