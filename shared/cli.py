@@ -87,7 +87,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(trainer, "trainer.steps", "--steps", help="optimizer steps, 0 = until stopped")
     add_flag(trainer, "trainer.publish_every", "--publish-every", help="snapshot every K steps")
     add_flag(trainer, "trainer.seq_len", "--seq-len", help="longest batch, in tokens")
-    add_flag(trainer, "trainer.loss", "--loss", help="grpo or sft")
+    add_flag(trainer, "trainer.loss", "--loss", help="grpo, sft or package.module:function")
+    add_flag(trainer, "trainer.kl_coef", "--kl-coef", help="weight of the k3 KL to the reference")
+    add_flag(trainer, "trainer.clip_eps", "--clip-eps", help="importance ratio clipping")
+    add_flag(
+        trainer,
+        "trainer.micro_batches",
+        "--micro-batches",
+        help="stream entries per optimizer step",
+    )
+    add_flag(
+        trainer,
+        "trainer.max_policy_lag",
+        "--max-policy-lag",
+        help="drop batches this many versions older than the latest (negative: keep all)",
+    )
+    add_flag(trainer, "trainer.resume_dir", "--resume-dir", help="resume checkpoint directory")
+    add_flag(
+        trainer, "trainer.max_deliveries", "--max-deliveries", help="dead-letter after N deliveries"
+    )
+    add_flag(
+        trainer,
+        "trainer.claim_idle_s",
+        "--claim-idle-s",
+        help="claim entries other consumers left pending this long",
+    )
     add_flag(trainer, "trainer.consumer", "--consumer", help="consumer name in group trainer")
     add_flag(trainer, "trainer.run_id", "--run-id", help="run id written into snapshots")
     add_flag(trainer, "trainer.metrics_port", "--metrics-port", help="/metrics and /healthz port")

@@ -46,12 +46,30 @@ class TrainerConfig:
     seq_len: int = 256
     """Longest batch accepted, in tokens (torchtitan's ``training.seq_len``)."""
     loss: str = "grpo"
+    """``grpo``, ``sft``, or a user's ``"package.module:function"``."""
     clip_eps: float = 0.2
     kl_coef: float = 0.0
+    micro_batches: int = 1
+    """Stream entries (micro-batches) accumulated into one optimizer step, per DP rank."""
+    max_policy_lag: int = 8
+    """Drop (count, ack) batches whose ``policy_version`` is more than this many published
+    versions behind ``{wc}:weights:latest``; a negative value keeps every batch."""
+    resume_dir: str = ""
+    """Resume checkpoints (model, optimizer, LR schedule, train state); empty means
+    ``<checkpoint_dir>-resume``, beside the snapshots and outside the publisher's scan."""
+    max_deliveries: int = 5
+    """Dead-letter an entry delivered more often than this (it keeps crashing trainers)."""
+    claim_idle_s: float = 300.0
+    """Claim entries another consumer left pending this long; keep it above the time
+    between reading an entry and the resume checkpoint that holds it."""
+    applied_history: int = 100_000
+    """Applied stream ids kept in the train state (ids since the last checkpoint always)."""
     consumer: str = ""
-    """Consumer name in the ``trainer`` group; empty means ``<hostname>-<pid>``."""
+    """Consumer name in the ``trainer`` group; empty means the host name, so that a
+    restarted trainer finds its own pending entries (``-dp<R>`` is added per DP rank)."""
     run_id: str = ""
-    """Identifies this training run in snapshots and versions; empty means a fresh one."""
+    """Identifies this training run in snapshots and versions; empty means the resumed
+    checkpoint's, or a fresh one."""
     block_ms: int = 1000
     seed: int = 0
     metrics_port: int = 0

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -22,8 +23,11 @@ from shared.config import load_config
 from shared.keys import Keys
 from shared.layout import ModelShape, rank_slice
 from shared.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
+from shared.producer import BatchProducer, synthetic_batch
+from shared.redis_server import free_port
 from shared.snapshots import SnapshotInfo, snapshot_name
 from shared.weights_client import WeightsClient
+from trainer.resume import TrainState, newest_checkpoint, read_train_state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -208,3 +212,67 @@ def split_per_rank(deployment: Deployment, version: int) -> int:
     )
     client.zadd(keys.versions, {copy: copy})
     return copy
+
+
+def push_batches(
+    redis_url: str,
+    keys: Keys,
+    count: int,
+    policy_version: int = 0,
+    prefix: str = "b",
+    seed: int = 0,
+) -> dict[str, str]:
+    """Push ``count`` valid batches, each with a unique ``meta.uid``; stream id -> uid."""
+    producer = BatchProducer(redis_url, keys.namespace, name="test-producer", max_pending=0)
+    generator = torch.Generator().manual_seed(seed)
+    pushed = {}
+    for index in range(count):
+        uid = f"{prefix}{index}"
+        tensors = synthetic_batch(generator, batch_size=2, seq_len=16, vocab_size=1024)
+        pushed[producer.push(tensors, policy_version, uid=uid)] = uid
+    return pushed
+
+
+def stream_uids(client: redis.Redis, keys: Keys) -> dict[str, str]:
+    """Every entry of the batch stream: stream id -> ``meta.uid``."""
+    return {
+        entry_id.decode(): json.loads(fields[b"meta"]).get("uid", "")
+        for entry_id, fields in client.xrange(keys.batches)
+    }
+
+
+def final_train_state(resume_dir: Path) -> TrainState:
+    """The train state of the newest complete resume checkpoint."""
+    found = newest_checkpoint(resume_dir)
+    assert found is not None, f"no complete resume checkpoint in {resume_dir}"
+    return read_train_state(found[1])
+
+
+def checkpoint_model(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of a resume checkpoint (no optimizer, schedule or train state)."""
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state = {
+        name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for name, item in meta.items()
+        if hasattr(item, "size") and not name.startswith(("optimizer", "lr_scheduler", "train"))
+    }
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return state
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.1):
+    """Poll ``condition`` until it returns something true; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(every)
+    return result
+
+
+def run_torchrun_trainer(
+    env: dict[str, str], nproc: int, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc_per_node <nproc> -m trainer <args>`` on a free master port."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    command += ["--master_port", str(free_port()), "-m", "trainer", *args]
+    return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)

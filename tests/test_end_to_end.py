@@ -7,6 +7,7 @@ writes a snapshot every two steps; a publisher process converts, registers and e
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -63,14 +64,20 @@ def test_versions_flow_from_trainer_to_redis_and_disk(
         if trainer.poll() is None:
             trainer.kill()
 
+    trainer_log = (logs / "trainer.log").read_text()
     published = []
     while message := events.get_message(timeout=0.5):
         if message["type"] == "message" and json.loads(message["data"])["event"] == "published":
             published.append(json.loads(message["data"]))
 
+    # The trainer skips a snapshot while the previous write still runs (a loaded machine).
+    skipped = {int(s) for s in re.findall(r"snapshot skipped.* step=(\d+)", trainer_log)}
+    written = [s for s in range(PUBLISH_EVERY, STEPS + 1, PUBLISH_EVERY) if s not in skipped]
+    assert written[-1] == STEPS  # the last step is always written
+
     # Every version registered exactly once, in order, each from a newer snapshot.
     versions = [e["version"] for e in published]
-    assert len(versions) >= 6, f"only {versions} published"
+    assert len(versions) >= len(written) - 1, f"only {versions} published of {written}"
     assert versions == list(range(1, len(versions) + 1))
     steps = [e["step"] for e in published]
     assert steps == sorted(set(steps)) and steps[-1] == STEPS
@@ -111,7 +118,7 @@ def test_versions_flow_from_trainer_to_redis_and_disk(
 
     # Published and skipped snapshots were pruned to the newest two; no temp directories.
     checkpoints = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert checkpoints == [f"step-{STEPS - PUBLISH_EVERY}", f"step-{STEPS}"]
+    assert checkpoints == [f"step-{step}" for step in written[-2:]]
 
     # The operator's view agrees with what happened.
     status = run_weightcast(cli_env, "status", "--json")

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from shared.codec import RolloutBatch
-from trainer.loss import LossSettings, get_loss, grpo_loss, sft_loss, token_logprobs
+from trainer.loss import (
+    LossSettings,
+    get_loss,
+    grpo_loss,
+    policy_entropy,
+    sft_loss,
+    token_logprobs,
+    trained_tokens,
+)
 
 VOCAB = 11
 
@@ -96,3 +104,29 @@ def test_losses_are_chosen_by_name() -> None:
     assert get_loss("grpo") is grpo_loss and get_loss("sft") is sft_loss
     with pytest.raises(ValueError, match="unknown loss 'ppo'"):
         get_loss("ppo")
+
+
+def test_entropy_is_the_mean_over_trained_tokens_of_the_next_token_distribution() -> None:
+    logits, batch = make_batch([[0, 1, 1, 0], [0, 0, 0, 1]], [1.0, 1.0])
+    logp = torch.log_softmax(logits.detach(), -1)
+    per_position = -(logp.exp() * logp).sum(-1)  # [B, T]: position t predicts token t + 1
+    expected = (per_position[0, 0] + per_position[0, 1] + per_position[1, 2]) / 3
+    assert policy_entropy(logits, batch, chunk_rows=2).item() == pytest.approx(expected.item())
+    uniform = torch.zeros(2, 4, VOCAB)
+    assert policy_entropy(uniform, batch).item() == pytest.approx(math.log(VOCAB), rel=1e-6)
+
+
+def test_a_users_loss_is_loaded_by_dotted_path() -> None:
+    assert get_loss("trainer.loss:sft_loss") is sft_loss
+    for name, message in (
+        ("no_such_module_xyz:fn", "cannot load loss"),
+        ("trainer.loss:nothing", "cannot load loss"),
+        ("trainer.loss:LOSSES", "is not callable"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            get_loss(name)
+
+
+def test_trained_tokens_counts_the_mask_without_position_zero() -> None:
+    _, batch = make_batch([[1, 1, 1, 0], [0, 0, 0, 1]], [1.0, 1.0])
+    assert trained_tokens(batch) == 3

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,10 +9,9 @@ import redis
 
 from shared.keys import TRAINER_GROUP, Keys
 from shared.manifest import Manifest, verify_files
-from shared.redis_server import free_port
 from shared.snapshots import SnapshotInfo
 
-from helpers import REPO, run_weightcast
+from helpers import run_torchrun_trainer, run_weightcast
 
 pytestmark = pytest.mark.slow
 
@@ -23,24 +20,7 @@ def test_two_ranks_train_their_own_batches_and_write_one_snapshot(
     cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
     assert run_weightcast(cli_env, "produce", "--count", "4").returncode == 0
-    torchrun = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        "-m",
-        "trainer",
-        "--steps",
-        "2",
-        "--publish-every",
-        "2",
-    ]
-    result = subprocess.run(
-        torchrun, env=cli_env, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    result = run_torchrun_trainer(cli_env, 2, "--steps", "2", "--publish-every", "2")
     assert result.returncode == 0, result.stderr[-3000:]
 
     # Each rank trained two batches of its own: all four consumed and acknowledged.

@@ -14,7 +14,7 @@ from shared.codec import BATCH_FIELD, META_FIELD, BatchLimits, InvalidBatch
 from shared.keys import TRAINER_GROUP, Keys
 from shared.producer import AsyncBatchProducer, BackPressureTimeout, BatchProducer
 from shared.redis_server import RedisServer
-from trainer.batch_source import BatchSource
+from trainer.batch_source import BatchSource, SourceSettings
 
 LIMITS = BatchLimits(vocab_size=1024, max_seq_len=16)
 
@@ -31,13 +31,14 @@ def good_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def trainer_source(client: redis.Redis, keys: Keys) -> BatchSource:
-    return BatchSource(client, keys, "trainer-0", LIMITS, block_ms=100)
+    return BatchSource(client, keys, "trainer-0", LIMITS, SourceSettings(block_ms=100))
 
 
 def consume_one(source: BatchSource) -> str:
-    item = source.next(lambda: False)
-    assert item is not None
-    source.ack(item.entry_id)
+    """Read like the trainer until one batch arrives, then acknowledge it."""
+    while (item := source.poll()) is None:
+        pass
+    source.ack([item.entry_id])
     return item.entry_id
 
 
@@ -107,7 +108,7 @@ def test_a_bad_batch_fails_at_the_producer_with_the_trainers_reason(
             producer.push(tensors, policy_version=3)
         meta = b'{"policy_version": 3, "producer": "p"}'
         client.xadd(keys.batches, {BATCH_FIELD: save_safetensors(tensors), META_FIELD: meta})
-        assert source.next(lambda: client.xlen(keys.dead_letters) > 0) is None
+        assert source.poll() is None
         (dead,) = client.xrange(keys.dead_letters, count=1, min="-")[-1:]
         client.delete(keys.dead_letters)
         assert dead[1][b"reason"].decode() == at_producer.value.reason, case

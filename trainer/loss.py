@@ -8,6 +8,7 @@ whatever the length of its sequence), never over padding.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ class LossSettings:
 @dataclass
 class LossResult:
     loss: torch.Tensor
+    """The mean over the batch's trained tokens (the trainer weighs micro-batches by them)."""
     metrics: dict[str, float]
 
 
@@ -54,6 +56,28 @@ def trained_mask(batch: RolloutBatch) -> torch.Tensor:
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def trained_tokens(batch: RolloutBatch) -> int:
+    """How many tokens a batch trains: the weight of its loss in an accumulated step."""
+    return int(trained_mask(batch).sum().item())
+
+
+@torch.no_grad()
+def policy_entropy(
+    logits: torch.Tensor, batch: RolloutBatch, chunk_rows: int = 1024
+) -> torch.Tensor:
+    """Mean entropy of the next-token distribution over the trained tokens.
+
+    Computed in row chunks, so a 150k vocabulary never needs a float32 copy of all logits.
+    """
+    rows = logits[:, :-1][trained_mask(batch)[:, 1:].bool()]
+    total = torch.zeros((), dtype=torch.float32, device=logits.device)
+    for chunk in rows.split(chunk_rows):
+        chunk = chunk.float()
+        logp = torch.log_softmax(chunk, dim=-1)
+        total += -(logp.exp() * logp).sum()
+    return total / max(len(rows), 1)
 
 
 def grpo_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:
@@ -90,6 +114,22 @@ LOSSES: dict[str, LossFn] = {"grpo": grpo_loss, "sft": sft_loss}
 
 
 def get_loss(name: str) -> LossFn:
+    """A built-in loss by name, or a user's ``"package.module:function"`` with its signature.
+
+    A user's function takes ``(logits, batch, settings)`` and returns a :class:`LossResult`
+    whose ``loss`` is a mean over the batch's trained tokens.
+    """
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            loss = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"cannot load loss {name!r}: {exc}") from None
+        if not callable(loss):
+            raise ValueError(f"loss {name!r} is not callable")
+        return loss
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; available: {', '.join(LOSSES)}")
+        raise ValueError(
+            f"unknown loss {name!r}; available: {', '.join(LOSSES)}, or 'package.module:function'"
+        )
     return LOSSES[name]

@@ -29,6 +29,23 @@ TINY = Qwen3ModelArgs(
 """Trains on 2 CPU cores in milliseconds a step; GQA (2 kv heads for 4 heads) and a
 head_dim (64) that is not hidden/heads (32), like the real 0.6B and 4B."""
 
+SMALL = Qwen3ModelArgs(
+    vocab_size=32_000,
+    max_seq_len=2048,
+    head_dim=64,
+    dim=1024,
+    n_layers=8,
+    n_heads=16,
+    n_kv_heads=8,
+    qk_norm=True,
+    hidden_dim=3072,
+    rope_theta=1_000_000,
+    enable_weight_tying=True,
+    eos_id=1,
+)
+"""About 133M parameters (a 0.27 GB bf16 snapshot): a mid-size model that a CPU still
+trains, for benchmarks and demos without a GPU."""
+
 
 class TiedQwen3Model(Qwen3Model):
     """torchtitan's Qwen3 with weight tying that survives materialisation.
@@ -46,10 +63,10 @@ class TiedQwen3Model(Qwen3Model):
 
 
 def flavors() -> dict[str, Qwen3ModelArgs]:
-    """Every dense Qwen3 flavor: ``tiny`` plus torchtitan's (debugmodel, 0.6B ... 32B)."""
+    """Every dense Qwen3 flavor: ``tiny``, ``small`` and torchtitan's (0.6B ... 32B)."""
     base = forge_specs.get_train_spec("qwen3").model_args
     dense = {name: args for name, args in base.items() if not args.moe_enabled}
-    return {"tiny": TINY, **dense}
+    return {"tiny": TINY, "small": SMALL, **dense}
 
 
 def flavor_args(name: str) -> Qwen3ModelArgs:

@@ -1,7 +1,8 @@
-"""The training loop: read a batch, take an optimizer step, acknowledge, snapshot every K.
+"""The training loop: read micro-batches, step, checkpoint, acknowledge, snapshot every K.
 
-``Trainer`` is torchtitan's ForgeEngine (model, parallelism, optimizer, LR schedule) plus the
-pieces weightcast adds: a Redis batch source, a policy loss and a snapshot writer.
+``Trainer`` is torchtitan's ForgeEngine (model, parallelism, optimizer, LR schedule, resume
+checkpointer) plus the pieces weightcast adds: a Redis batch source, a policy loss, the train
+state of applied stream ids, a background snapshot writer and telemetry.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import time
 import uuid
 import warnings
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -26,15 +28,29 @@ from shared.config import Config, ConfigError, TrainerConfig
 from shared.keys import Keys
 from shared.logs import get_logger
 from shared.redis_server import free_port
-from trainer.batch_source import BatchSource
-from trainer.loss import LossSettings, get_loss
+from trainer.batch_source import BatchSource, SourceSettings, StreamBatch
+from trainer.loss import LossSettings, get_loss, policy_entropy, trained_tokens
 from trainer.model import TRAIN_SPEC_NAME, flavor_args, hf_config, register_train_spec
+from trainer.resume import (
+    TrainState,
+    encode_ids,
+    make_durable,
+    newest_checkpoint,
+    remove_partial,
+)
 from trainer.snapshot import SnapshotWriter
+from trainer.telemetry import Telemetry
 
 log = get_logger("trainer")
 
 UNBOUNDED_STEPS = 10**9
 """The LR schedule's horizon when training runs until stopped."""
+
+RESUME_EVERY = 10
+"""Default steps between resume checkpoints (torchtitan's ``checkpoint.interval``)."""
+
+STEP_METRICS = ("loss", "kl", "entropy", "clip_fraction")
+"""Per-step figures averaged over the trained tokens of all micro-batches and ranks."""
 
 _CPU_NOISE = (
     "DTensor random operators may not have complete support on cpu",
@@ -44,8 +60,13 @@ _CPU_NOISE = (
 """torchtitan's warnings on every CPU start; they say nothing the user can act on."""
 
 
-def build_job_config(cfg: TrainerConfig) -> ForgeJobConfig:
-    """torchtitan's job config: weightcast's defaults, then the ``[trainer.*]`` overrides."""
+def build_job_config(cfg: TrainerConfig, resume_dir: Path | None = None) -> ForgeJobConfig:
+    """torchtitan's job config: weightcast's defaults, then the ``[trainer.*]`` overrides.
+
+    Resume checkpoints use torchtitan's checkpointer (always on, in ``resume_dir``):
+    every ``checkpoint.interval`` steps (10) and at exit, the newest ``keep_latest_k`` (2)
+    kept, full state (not model-only) also at the last step.
+    """
     job = ForgeJobConfig()
     job.model.name = TRAIN_SPEC_NAME
     job.model.flavor = cfg.model
@@ -57,7 +78,8 @@ def build_job_config(cfg: TrainerConfig) -> ForgeJobConfig:
     job.training.mixed_precision_param = "bfloat16" if torch.cuda.is_available() else "float32"
     job.lr_scheduler.warmup_steps = 2
     job.lr_scheduler.decay_ratio = 0.0
-    job.checkpoint.enable = False
+    job.checkpoint.interval = RESUME_EVERY
+    job.checkpoint.keep_latest_k = 2
     job.comm.trace_buf_size = 0
     for section_name, values in cfg.titan.items():
         section = getattr(job, section_name, None)
@@ -74,29 +96,69 @@ def build_job_config(cfg: TrainerConfig) -> ForgeJobConfig:
                     f"known: {', '.join(sorted(names))}"
                 )
             setattr(section, key, value)
+    if job.model.name != TRAIN_SPEC_NAME:
+        raise ConfigError(
+            f"[trainer.model] name must stay {TRAIN_SPEC_NAME!r} (choose the flavor instead)"
+        )
+    job.checkpoint.enable = True
+    job.checkpoint.folder = str(resume_dir or Path(job.checkpoint.folder).absolute())
+    job.checkpoint.last_save_model_only = False
+    if job.checkpoint.async_mode != "disabled":
+        raise ConfigError(
+            "[trainer.checkpoint] async_mode must be 'disabled': batches are acknowledged "
+            "only once their resume checkpoint is durable"
+        )
+    if job.checkpoint.interval < 1:
+        raise ConfigError("[trainer.checkpoint] interval must be >= 1")
     return job
 
 
 class Trainer(ForgeEngine):
-    """torchtitan's engine driven by rollout batches from Redis."""
+    """torchtitan's engine driven by rollout batches from Redis.
+
+    One optimizer step takes ``micro_batches`` stream entries on every DP rank. An entry is
+    acknowledged only once a resume checkpoint holding its update is durable, and the train
+    state in that checkpoint lists it, so a restart neither loses nor repeats it.
+    """
 
     def __init__(self, config: Config) -> None:
         cfg = config.trainer
-        if cfg.publish_every < 1:
-            raise ConfigError(f"trainer.publish_every must be >= 1, got {cfg.publish_every}")
+        for name in ("publish_every", "micro_batches", "max_deliveries"):
+            if getattr(cfg, name) < 1:
+                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(cfg, name)}")
         for message in _CPU_NOISE:
             warnings.filterwarnings("ignore", message=message)
+        try:
+            self.loss = get_loss(cfg.loss)
+        except ValueError as exc:
+            raise ConfigError(f"trainer.loss: {exc}") from None
         register_train_spec()
-        flavor = flavor_args(cfg.model)
+        self.resume_dir = resume_dir_of(config)
+        job = build_job_config(cfg, self.resume_dir)
+        self.flavor_name = job.model.flavor
+        flavor = flavor_args(self.flavor_name)
+        self.train_state = TrainState(cfg.applied_history)
         _default_dist_env()
-        super().__init__(build_job_config(cfg))
+        super().__init__(job)
+        dims = self.parallel_dims
+        if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:
+            raise ConfigError(
+                "only data parallelism (FSDP) is supported: every rank reads its own batches"
+            )
         self.cfg = cfg
-        self.step = 0
+        self.loss_settings = LossSettings(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
         self.stop_requested = False
-        self.run_id = cfg.run_id or self._new_run_id()
-        self.consumer = cfg.consumer or f"{socket.gethostname()}-{os.getpid()}"
-        if self.dp_degree > 1:
-            self.consumer = f"{self.consumer}-dp{self.dp_rank}"
+        self.leader = torch.distributed.get_rank() == 0
+        self.world = torch.distributed.get_world_size()
+        # The checkpoint cadence is weightcast's (acks wait for it); torchtitan saves when asked.
+        self.resume_every = self.checkpointer.interval
+        self.checkpointer.interval = 1
+        self.checkpointer.states.pop("dataloader", None)
+        self.checkpointed_step = self._resume()
+        self.run_id = cfg.run_id or self.train_state.run_id or self._new_run_id()
+        self.train_state.run_id = self.run_id
+        consumer = cfg.consumer or socket.gethostname()
+        self.consumer = f"{consumer}-dp{self.dp_rank}" if self.dp_degree > 1 else consumer
         self.keys = Keys(config.common.namespace)
         self.redis = redis.Redis.from_url(config.common.redis_url)
         self.batches = BatchSource(
@@ -104,30 +166,64 @@ class Trainer(ForgeEngine):
             self.keys,
             self.consumer,
             BatchLimits(vocab_size=flavor.vocab_size, max_seq_len=cfg.seq_len),
-            block_ms=cfg.block_ms,
+            SourceSettings(
+                block_ms=cfg.block_ms,
+                max_deliveries=cfg.max_deliveries,
+                claim_idle_ms=int(cfg.claim_idle_s * 1000),
+                max_policy_lag=cfg.max_policy_lag,
+            ),
         )
-        self.loss = get_loss(cfg.loss)
-        self.loss_settings = LossSettings(clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef)
+        self.batches.recover(self.train_state.applied_set)
+        self.batches.ack([])  # what the loaded checkpoint holds is durable already
+        self.buffer: list[StreamBatch] = []
+        self.to_ack: list[str] = []
         adapter = self.train_spec.state_dict_adapter(self.model_args, None)
         self.snapshots = SnapshotWriter(
             config.common.checkpoint_dir,
             adapter.to_hf,
             hf_config(flavor),
-            cfg.model,
+            self.flavor_name,
             self.run_id,
         )
-        self.last_snapshot = ""
+        self.publish_skipped = 0
+        self.telemetry = Telemetry(self.redis, self.keys, cfg.metrics_port, self.leader)
+        self.telemetry.update(
+            step=self.train_state.step,
+            run_id=self.run_id,
+            consumer=consumer,
+            last_snapshot="",
+            world_size=self.world,
+        )
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
-        """One optimizer step on one micro-batch; returns the step's metrics."""
+    def train_step(self, batches: list[RolloutBatch]) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches; returns the job's metrics.
+
+        Each micro-batch's loss (a mean over its trained tokens) is weighted by its share of
+        the trained tokens of the whole step on all ranks, so the update is the one a single
+        batch holding every sequence would give.
+        """
         self.optimizers.zero_grad()
         model = self.model_parts[0]
-        batch = _to_device(batch, self.device)
-        with self.train_context(None), self.maybe_enable_amp:
-            logits = model(batch.input_ids)
-            result = self.loss(logits, batch, self.loss_settings)
-        del logits
-        result.loss.backward()
+        tokens = [trained_tokens(b) for b in batches]
+        total = self._all_reduce(torch.tensor([float(sum(tokens))]))[0].item()
+        sums = torch.zeros(2 * len(STEP_METRICS) + 1)
+        for batch, count in zip(batches, tokens, strict=True):
+            batch = _to_device(batch, self.device)
+            with self.train_context(None), self.maybe_enable_amp:
+                logits = model(batch.input_ids)
+                result = self.loss(logits, batch, self.loss_settings)
+            values = {
+                **result.metrics,
+                "loss": result.loss.item(),
+                "entropy": policy_entropy(logits, batch).item(),
+            }
+            del logits
+            (result.loss * (count * self.dp_degree / total)).backward()
+            for i, name in enumerate(STEP_METRICS):
+                if name in values:
+                    sums[2 * i] += values[name] * count
+                    sums[2 * i + 1] += count
+            sums[-1] += batch.num_tokens
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm,
@@ -136,75 +232,228 @@ class Trainer(ForgeEngine):
         lr = self.lr_schedulers.schedulers[0].get_last_lr()[0]  # the rate this step uses
         self.optimizers.step()
         self.lr_schedulers.step()
-        return {
-            "loss": result.loss.item(),
-            "grad_norm": grad_norm.item(),
-            "lr": lr,
-            **result.metrics,
+        sums = self._all_reduce(sums)
+        metrics = {
+            name: (sums[2 * i] / sums[2 * i + 1]).item()
+            for i, name in enumerate(STEP_METRICS)
+            if sums[2 * i + 1] > 0
         }
+        return {**metrics, "grad_norm": grad_norm.item(), "lr": lr, "tokens": sums[-1].item()}
 
     def run(self) -> None:
-        """Train until ``steps`` are done or SIGTERM/SIGINT asks to stop (after the step)."""
+        """Train until ``steps`` are in the train state or SIGTERM/SIGINT asks to stop.
+
+        Every rank takes the same decisions: a flag all-reduce each round says whether
+        to stop, whether every rank has its micro-batches, and (on publish steps) whether
+        a snapshot write is still running anywhere.
+        """
         self._install_signal_handlers()
         steps = self.cfg.steps
         log.info(
             "trainer started",
             run_id=self.run_id,
             consumer=self.consumer,
-            model=self.cfg.model,
+            model=self.flavor_name,
+            step=self.train_state.step,
             steps=steps or "unbounded",
+            micro_batches=self.cfg.micro_batches,
             publish_every=self.cfg.publish_every,
+            resume_every=self.resume_every,
+            world_size=self.world,
             device=str(self.device),
         )
-        self._heartbeat()
-        while not (steps and self.step >= steps) and not self.stop_requested:
-            item = self.batches.next(lambda: self.stop_requested)
-            if item is None:
+        self._report(force=True)
+        while not (steps and self.train_state.step >= steps):
+            self._fill()
+            waiting = len(self.buffer) < self.cfg.micro_batches
+            stop, waiting = self._agree(self.stop_requested, waiting)
+            if stop:
                 break
-            start = time.perf_counter()
-            metrics = self.train_step(item.batch)
-            self.batches.ack(item.entry_id)
-            self.step += 1
-            seconds = time.perf_counter() - start
-            log.info(
-                "step",
-                step=self.step,
-                **metrics,
-                tokens_per_s=item.batch.num_tokens / seconds,
-                policy_version=item.batch.policy_version,
-                entry=item.entry_id,
-            )
-            if self.step % self.cfg.publish_every == 0 or self.step == steps:
-                self.last_snapshot = str(self.snapshots.write(self.model_parts[0], self.step))
-            self._heartbeat()
-        log.info("trainer stopped", step=self.step, dead_lettered=self.batches.dead_lettered)
+            if waiting:
+                self._report()
+                continue
+            self._step()
+        self._finish()
+
+    def _step(self) -> None:
+        """Train one step, then checkpoint and start a snapshot when due.
+
+        ``step_seconds`` covers all of it (a snapshot costs the loop its staging copy), so
+        the heartbeat's ``tokens_per_s`` is what training really sustains.
+        """
+        start = time.perf_counter()
+        wanted = self.cfg.micro_batches
+        items, self.buffer = self.buffer[:wanted], self.buffer[wanted:]
+        metrics = self.train_step([item.batch for item in items])
+        state = self.train_state
+        state.record(self._gather_ids([item.entry_id for item in items]))
+        state.step += 1
+        self.to_ack += [item.entry_id for item in items]
+        if state.step != self.cfg.steps:  # the last step's are written by _finish
+            if state.step % self.resume_every == 0:
+                self._checkpoint()
+            if state.step % self.cfg.publish_every == 0:
+                self._publish(wait=False)
+        seconds = time.perf_counter() - start
+        lag = max(self.batches.policy_lag(item.batch) for item in items)
+        tokens = metrics.pop("tokens")
+        self.telemetry.update(
+            step=state.step,
+            **metrics,
+            tokens_per_s=tokens / seconds,
+            step_seconds=seconds,
+            last_policy_lag=lag,
+        )
+        log.info(
+            "step",
+            step=state.step,
+            **metrics,
+            tokens=tokens,
+            seconds=seconds,
+            tokens_per_s=tokens / seconds,
+            policy_lag=lag,
+            entries=",".join(item.entry_id for item in items),
+        )
+        self._report(force=True)
+
+    def _fill(self) -> None:
+        """Read until this rank holds its micro-batches or one wait came back empty."""
+        while len(self.buffer) < self.cfg.micro_batches and not self.stop_requested:
+            item = self.batches.poll()
+            if item is None:
+                return
+            self.buffer.append(item)
+
+    def _checkpoint(self) -> None:
+        """Save a resume checkpoint, make it durable, then acknowledge what it holds."""
+        state = self.train_state
+        if state.step == self.checkpointed_step:
+            self.batches.ack(self.to_ack)
+            self.to_ack = []
+            return
+        begin = time.perf_counter()
+        state.checkpointed()
+        self.checkpointer.save(state.step)
+        if self.leader:
+            make_durable(self.resume_dir / f"step-{state.step}")
+        _barrier()
+        self.batches.ack(self.to_ack)
+        log.info(
+            "resume checkpoint",
+            step=state.step,
+            acked=len(self.to_ack),
+            seconds=time.perf_counter() - begin,
+        )
+        self.to_ack = []
+        self.checkpointed_step = state.step
+
+    def _publish(self, wait: bool) -> None:
+        """Start a snapshot unless a write is running on any rank (then skip and count it)."""
+        step = self.train_state.step
+        if wait:
+            self.snapshots.wait()
+        (busy,) = self._agree(self.snapshots.busy())
+        if busy:
+            self.publish_skipped += 1
+            log.warning("snapshot skipped: the previous write is still running", step=step)
+            return
+        self.snapshots.start(self.model_parts[0], step)
+        if wait:
+            self.snapshots.wait()
+            _barrier()
+
+    def _report(self, force: bool = False) -> None:
+        snapshots = self.snapshots
+        self.telemetry.update(
+            stale_dropped=self.batches.stale_dropped,
+            dead_lettered=self.batches.dead_lettered,
+            already_applied=self.batches.already_applied,
+            publish_skipped=self.publish_skipped,
+            snapshots_written=snapshots.written,
+            last_snapshot=snapshots.last_path,
+            snapshot_stage_seconds=snapshots.stage_seconds,
+            snapshot_write_seconds=snapshots.write_seconds,
+        )
+        self.telemetry.heartbeat(force=force)
+
+    def _finish(self) -> None:
+        """Checkpoint and acknowledge what was trained; at ``steps``, publish the last step.
+
+        The last snapshot is written even when a resumed run finds ``steps`` already done,
+        so a run always ends with a snapshot of its final weights.
+        """
+        self.snapshots.wait()
+        _barrier()
+        step = self.train_state.step
+        if self.cfg.steps and step >= self.cfg.steps and self.snapshots.last_step != step:
+            self._publish(wait=True)
+        self._checkpoint()
+        self._report(force=True)
+        log.info(
+            "trainer stopped",
+            step=self.train_state.step,
+            dead_lettered=self.batches.dead_lettered,
+            stale_dropped=self.batches.stale_dropped,
+            publish_skipped=self.publish_skipped,
+            unread=len(self.buffer),
+        )
+
+    def _resume(self) -> int:
+        """Load the newest complete resume checkpoint, if any; its step (0 without one)."""
+        if self.leader:
+            for name in remove_partial(self.resume_dir):
+                log.info("removed an unfinished resume checkpoint", name=name)
+        _barrier()
+        found = newest_checkpoint(self.resume_dir)
+        if found is None:
+            return 0
+        step, path = found
+        self.train_state.size_for(path)
+        self.checkpointer.load(step=step)
+        log.info(
+            "resumed",
+            step=self.train_state.step,
+            path=str(path),
+            applied=len(self.train_state.applied),
+        )
+        return self.train_state.step
+
+    def _agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Every flag made true on all ranks if it is true on any one."""
+        if self.world == 1:
+            return tuple(flags)
+        tensor = torch.tensor([float(f) for f in flags], device=self.device)
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+        return tuple(bool(v) for v in tensor.tolist())
+
+    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return tensor
+        tensor = tensor.to(self.device)
+        torch.distributed.all_reduce(tensor)
+        return tensor.cpu()
+
+    def _gather_ids(self, entry_ids: list[str]) -> torch.Tensor:
+        """Every rank's applied ids of this step, rank by rank (tensors, no pickle)."""
+        ids = encode_ids(entry_ids)
+        if self.world == 1:
+            return ids
+        parts = [torch.empty_like(ids, device=self.device) for _ in range(self.world)]
+        torch.distributed.all_gather(parts, ids.to(self.device))
+        return torch.cat([p.cpu() for p in parts])
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
+        return self.train_state.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.step = state_dict["step"]
+        self.train_state.load_state_dict(state_dict)
 
     def _new_run_id(self) -> str:
         """A fresh run id, rank 0's on every rank (sent as a tensor, not pickled)."""
         token = torch.tensor(list(uuid.uuid4().bytes[:6]), dtype=torch.uint8, device=self.device)
-        if torch.distributed.get_world_size() > 1:
+        if self.world > 1:
             torch.distributed.broadcast(token, src=0)
         return bytes(token.tolist()).hex()
-
-    def _heartbeat(self) -> None:
-        if torch.distributed.get_rank() != 0:
-            return
-        self.redis.hset(
-            self.keys.trainer_heartbeat,
-            mapping={
-                "step": self.step,
-                "run_id": self.run_id,
-                "consumer": self.consumer,
-                "last_snapshot": self.last_snapshot,
-                "at": time.time(),
-            },
-        )
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum: int, _frame: Any) -> None:
@@ -220,6 +469,7 @@ def run_trainer(config: Config) -> int:
     try:
         trainer.run()
     finally:
+        trainer.telemetry.close()
         trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -236,6 +486,19 @@ def _default_dist_env() -> None:
     ):
         os.environ.setdefault(name, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
+def resume_dir_of(config: Config) -> Path:
+    """``trainer.resume_dir``, or ``<checkpoint_dir>-resume`` beside the snapshots."""
+    if config.trainer.resume_dir:
+        return Path(config.trainer.resume_dir).absolute()
+    snapshots = Path(config.common.checkpoint_dir).absolute()
+    return snapshots.with_name(f"{snapshots.name}-resume")
+
+
+def _barrier() -> None:
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

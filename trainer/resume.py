@@ -1,0 +1,141 @@
+"""The train state in every resume checkpoint: the step and the stream entries already applied.
+
+torchtitan's CheckpointManager saves it beside the model, optimizer and LR schedule, so one
+durable checkpoint says both what the weights are and which batches they contain. Entries
+are kept as an int64 ``[N, 2]`` tensor of ``(ms, seq)`` stream ids, oldest first, never as
+pickled Python objects. Entries are listed once per optimizer step that applied them, so a
+duplicate in the log would be a batch trained twice.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
+
+from shared.durable import fsync_path, remove_dir
+
+STATE_KEY = "train_state"
+"""Name ForgeEngine gives the train state in the checkpoint (keys ``train_state.<name>``)."""
+
+RUN_ID_BYTES = 64
+_CHECKPOINT = re.compile(r"^step-(\d+)$")
+_DCP_METADATA = ".metadata"
+
+
+def encode_ids(entry_ids: Iterable[str]) -> torch.Tensor:
+    """Stream ids ``"<ms>-<seq>"`` as an int64 ``[N, 2]`` tensor."""
+    rows = [[int(part) for part in entry_id.split("-")] for entry_id in entry_ids]
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
+
+
+def decode_ids(ids: torch.Tensor) -> list[str]:
+    return [f"{ms}-{seq}" for ms, seq in ids.tolist()]
+
+
+class TrainState(Stateful):
+    """Step, run id and the log of applied entries, trimmed to the newest ``history``.
+
+    Trimming never drops entries applied since the last checkpoint: those may still be
+    pending in Redis, and the log is what tells a restarted trainer not to train them again.
+    """
+
+    def __init__(self, history: int) -> None:
+        self.history = history
+        self.step = 0
+        self.run_id = ""
+        self.applied = torch.zeros(0, 2, dtype=torch.int64)
+        self.applied_set: set[str] = set()
+        self.since_checkpoint = 0
+
+    def record(self, ids: torch.Tensor) -> None:
+        """Add the ``[N, 2]`` ids one optimizer step applied (every rank's, in rank order)."""
+        self.applied = torch.cat([self.applied, ids.to(torch.int64).cpu()])
+        self.applied_set.update(decode_ids(ids))
+        self.since_checkpoint += len(ids)
+
+    def applied_ids(self) -> list[str]:
+        return decode_ids(self.applied)
+
+    def checkpointed(self) -> None:
+        """Trim the log before a checkpoint; entries from earlier checkpoints are acked."""
+        keep = max(self.history, self.since_checkpoint)
+        if len(self.applied) > keep:
+            self.applied = self.applied[-keep:].clone()
+            self._reset_set()
+        self.since_checkpoint = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        run_id = torch.zeros(RUN_ID_BYTES, dtype=torch.uint8)
+        raw = self.run_id.encode()[:RUN_ID_BYTES]
+        run_id[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        return {
+            "step": torch.tensor(self.step, dtype=torch.int64),
+            "applied": self.applied,
+            "run_id": run_id,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.step = int(state_dict["step"])
+        self.applied = state_dict["applied"].clone()
+        self._reset_set()
+        raw = bytes(state_dict["run_id"].tolist())
+        self.run_id = raw.rstrip(b"\0").decode()
+        self.since_checkpoint = 0
+
+    def _reset_set(self) -> None:
+        """Rebuild the id set in place: the batch source holds a reference to it."""
+        self.applied_set.clear()
+        self.applied_set.update(decode_ids(self.applied))
+
+    def size_for(self, checkpoint: Path) -> None:
+        """Give ``applied`` the checkpoint's length so that DCP can load into it."""
+        meta = dcp.FileSystemReader(str(checkpoint)).read_metadata()
+        size = meta.state_dict_metadata[f"{STATE_KEY}.applied"].size
+        self.applied = torch.zeros(tuple(size), dtype=torch.int64)
+
+
+def newest_checkpoint(folder: Path) -> tuple[int, Path] | None:
+    """The complete checkpoint with the highest step (DCP's ``.metadata`` marks it whole)."""
+    found = []
+    if folder.is_dir():
+        for entry in os.scandir(folder):
+            match = _CHECKPOINT.match(entry.name)
+            if match and os.path.isfile(os.path.join(entry.path, _DCP_METADATA)):
+                found.append((int(match.group(1)), Path(entry.path)))
+    return max(found) if found else None
+
+
+def remove_partial(folder: Path) -> list[str]:
+    """Delete checkpoint directories a crash left without ``.metadata`` (never loadable)."""
+    removed = []
+    if folder.is_dir():
+        for entry in os.scandir(folder):
+            if _CHECKPOINT.match(entry.name) and not os.path.isfile(
+                os.path.join(entry.path, _DCP_METADATA)
+            ):
+                remove_dir(Path(entry.path))
+                removed.append(entry.name)
+    return removed
+
+
+def make_durable(checkpoint: Path) -> None:
+    """fsync the checkpoint directory and its parent: DCP fsyncs files, not directories."""
+    fsync_path(checkpoint)
+    fsync_path(checkpoint.parent)
+
+
+def read_train_state(checkpoint: Path) -> TrainState:
+    """The train state of one resume checkpoint, read without a model or process group."""
+    state = TrainState(history=0)
+    state.size_for(checkpoint)
+    target = {STATE_KEY: state.state_dict()}
+    dcp.load(target, checkpoint_id=str(checkpoint), no_dist=True)
+    state.load_state_dict(target[STATE_KEY])
+    return state

@@ -1,0 +1,104 @@
+"""What the trainer tells operators: the Redis heartbeat, Prometheus gauges and ``/healthz``.
+
+Rank 0 reports for the whole job. The heartbeat hash ``{wc}:trainer:heartbeat`` holds flat
+string fields that ``weightcast status`` prints as they are; the same figures are Prometheus
+gauges named ``weightcast_trainer_<field>``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+from prometheus_client import CollectorRegistry, Gauge
+
+from shared.keys import TRAINER_GROUP, Keys
+from shared.observability import Health, ObservabilityServer, serve
+
+GAUGES = {
+    "step": "optimizer steps in the train state",
+    "loss": "loss of the last step (token-weighted mean over its micro-batches)",
+    "kl": "k3 KL to the reference policy in the last step",
+    "entropy": "policy entropy over the trained tokens of the last step",
+    "clip_fraction": "fraction of trained tokens whose importance ratio was clipped",
+    "grad_norm": "gradient norm of the last step, before clipping",
+    "lr": "learning rate the last step used",
+    "tokens_per_s": "input tokens per second of the last step (all ranks)",
+    "step_seconds": "wall time of the last step",
+    "queue_lag": "stream entries not yet delivered to the trainer group",
+    "pending": "entries delivered to the trainer group and not yet acknowledged",
+    "stale_dropped": "batches dropped as older than max_policy_lag (this process)",
+    "dead_lettered": "entries sent to the dead-letter stream (this process)",
+    "already_applied": "re-delivered entries acked because a checkpoint held them",
+    "last_policy_lag": "latest version minus the policy_version of the last trained batch",
+    "publish_skipped": "snapshots skipped because the previous write was still running",
+    "snapshots_written": "snapshots written (this process)",
+    "snapshot_stage_seconds": "time the loop spent copying weights off the device",
+    "snapshot_write_seconds": "background time of the last snapshot write",
+}
+
+STALL_S = 120.0
+"""``/healthz`` turns unhealthy when the loop has not come round for this long."""
+
+
+class Telemetry:
+    """Heartbeat and metrics of one trainer; only rank 0 writes or serves anything."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, port: int, leader: bool) -> None:
+        self.client = client
+        self.keys = keys
+        self.leader = leader
+        self.registry = CollectorRegistry()
+        self.gauges = {
+            name: Gauge(f"weightcast_trainer_{name}", text, registry=self.registry)
+            for name, text in GAUGES.items()
+        }
+        self.fields: dict[str, Any] = {}
+        self.last_beat = 0.0
+        self.server: ObservabilityServer | None = (
+            serve(port, self.registry, self.health) if (leader) else None
+        )
+
+    def update(self, **fields: Any) -> None:
+        self.fields.update(fields)
+        for name, value in fields.items():
+            if name in self.gauges and isinstance(value, int | float):
+                self.gauges[name].set(value)
+
+    def heartbeat(self, force: bool = False, every_s: float = 1.0) -> None:
+        """Refresh ``{wc}:trainer:heartbeat`` (at most every ``every_s`` unless forced)."""
+        now = time.time()
+        self.last_beat = now
+        if not self.leader or (not force and now - float(self.fields.get("at", 0)) < every_s):
+            return
+        group = next(
+            (
+                g
+                for g in self.client.xinfo_groups(self.keys.batches)
+                if g["name"] == TRAINER_GROUP.encode()
+            ),
+            None,
+        )
+        lag = group.get("lag") if group else 0
+        self.update(
+            queue_lag=int(lag or 0),
+            pending=int(self.client.xpending(self.keys.batches, TRAINER_GROUP)["pending"]),
+            at=now,
+        )
+        self.client.hset(
+            self.keys.trainer_heartbeat,
+            mapping={k: _text(v) for k, v in self.fields.items()},
+        )
+
+    def health(self) -> Health:
+        age = time.time() - self.last_beat
+        return Health(age < STALL_S, {"step": self.fields.get("step"), "loop_age_s": age})
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def _text(value: Any) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
