@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.config import TrainerConfig
+
 from helpers import REPO, clean_env, run_weightcast, weightcast
 
 pytestmark = pytest.mark.slow
@@ -67,16 +69,20 @@ def test_up_runs_an_rl_loop_whose_reward_rises(tmp_path: Path) -> None:
     # Every trained batch carries a real version: 0 (uniform) or a version published before
     # the step that trained it.
     (run_dir,) = tmp_path.iterdir()
+    log = (run_dir / "logs/trainer.log").read_text()
     trained = [
         (int(step), int(version))
-        for step, version in re.findall(
-            r"step step=(\d+) .*policy_version=(\d+)", (run_dir / "logs/trainer.log").read_text()
-        )
+        for step, versions in re.findall(r"step step=(\d+) .*policy_versions=([\d,]+)", log)
+        for version in versions.split(",")
     ]
     assert [s for s, _ in trained] == list(range(1, UP_STEPS + 1))
     for step, version in trained:
         assert version == 0 or steps[version] < step, (step, version)
     assert max(v for _, v in trained) >= count - 4  # the node kept up with the trainer
+    # The staleness guard measures real lags: behind the newest version, within the bound.
+    lags = [int(lag) for lag in re.findall(r"step step=\d+ .*policy_lag=(\d+)", log)]
+    assert len(lags) == UP_STEPS and max(lags) >= 1, lags
+    assert max(lags) <= TrainerConfig().max_policy_lag and "dropped a stale batch" not in log
 
     batches = {int(v): (int(n), float(r)) for v, _, n, r in rows if r != "-"}
     versions = sorted(batches)

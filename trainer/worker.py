@@ -312,6 +312,7 @@ class Trainer(ForgeEngine):
             seconds=seconds,
             tokens_per_s=tokens / seconds,
             policy_lag=lag,
+            policy_versions=",".join(str(item.batch.policy_version) for item in items),
             entries=",".join(item.entry_id for item in items),
         )
         self._report(force=True)
