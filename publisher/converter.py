@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from publisher.dcp_index import Unsupported, index_snapshot
-from publisher.safetensors_writer import OutputTensor, Piece, write_safetensors
+from publisher.safetensors_writer import OutputTensor, Piece, SourceEnded, write_safetensors
 from publisher.snapshot_reader import (
     CorruptSnapshot,
     Snapshot,
@@ -147,6 +147,9 @@ def convert(
             fsync_path(tmp / HF_DIR)
         fsync_path(tmp)
         publish_dir(tmp, final)
+    except SourceEnded as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CorruptSnapshot(f"a data file is shorter than .metadata says: {exc}") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

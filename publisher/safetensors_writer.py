@@ -46,6 +46,10 @@ _DTYPE_ORDER = {name: i for i, name in enumerate(_DTYPE_NAMES.values())}
 _NO_COPY_FILE_RANGE = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
+class SourceEnded(OSError):
+    """A source file ended before a piece it should hold (a snapshot truncated under us)."""
+
+
 @dataclass(frozen=True)
 class FileRange:
     """``length`` bytes at ``offset`` of ``file``."""
@@ -252,7 +256,7 @@ class _Copier:
             step = min(end - offset, 256 * 1024 * 1024)
             n = self._copy_step(source, offset, step)
             if n == 0:
-                raise OSError(errno.EIO, f"source ended {end - offset} bytes early")
+                raise SourceEnded(errno.EIO, f"source ended {end - offset} bytes early")
             offset += n
             self._advanced(n)
 
@@ -282,7 +286,7 @@ class _Copier:
             block = self.buffer[: count * piece.row_bytes]
             n = os.preadv(source, [block], piece.offset + first * piece.row_bytes)
             if n != len(block):
-                raise OSError(errno.EIO, f"short read of {piece.file}")
+                raise SourceEnded(errno.EIO, f"short read of {piece.file}")
             out_start = BUFFER_BYTES - out_room
             out = self.buffer[out_start : out_start + count * piece.length]
             for i in range(count):
