@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from publisher.dcp_index import Unsupported, index_snapshot
+from publisher.dcp_index import Unsupported, check_sizes, index_snapshot
 from publisher.safetensors_writer import OutputTensor, Piece, SourceEnded, write_safetensors
 from publisher.snapshot_reader import (
     CorruptSnapshot,
@@ -159,6 +159,7 @@ def convert(
 def open_source(snapshot: Snapshot, reader: str = "auto") -> Source:
     """Byte ranges into the snapshot's files, or its tensors loaded with ``dcp.load``."""
     metadata = read_metadata(snapshot.path)
+    check_sizes(snapshot.path, metadata)
     if reader == "auto":
         try:
             return DcpSource(index_snapshot(snapshot.path, metadata))

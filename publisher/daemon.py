@@ -233,7 +233,12 @@ class Publisher:
         while True:
             registered_at = time.time()
             lag = registered_at - snapshot.info.created_at
-            event = {"step": snapshot.step, "lag_s": round(lag, 4), "path": fields["path"]}
+            event = {
+                "step": snapshot.step,
+                "lag_s": round(lag, 4),
+                "path": fields["path"],
+                "snapshot_id": snapshot.info.snapshot_id,
+            }
             try:
                 outcome = self.registry.register(
                     version,
@@ -294,6 +299,7 @@ class Publisher:
 
     def clean_weights_dir(self) -> None:
         """Remove what a crash can leave: temp and trash directories, unregistered versions."""
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
         removed = sweep(self.weights_dir, (TMP_VERSION_PREFIX, TRASH_PREFIX))
         sweep(self.checkpoint_dir, (TRASH_PREFIX,))
         sweep(self.checkpoint_dir / QUARANTINE_DIR, (TRASH_PREFIX,))

@@ -78,11 +78,23 @@ class SourceTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def check_sizes(path: Path, metadata: Metadata) -> None:
+    """Raise :class:`CorruptSnapshot` when a data file is shorter than ``.metadata`` says."""
+    sizes: dict[str, int] = {}
+    for key, info in (metadata.storage_data or {}).items():
+        size = sizes.setdefault(info.relative_path, _file_size(path / info.relative_path))
+        if info.offset + info.length > size:
+            raise CorruptSnapshot(
+                f"{info.relative_path} is truncated: {key.fqn} needs bytes up to "
+                f"{info.offset + info.length}, the file has {size}"
+            )
+
+
 def index_snapshot(path: Path, metadata: Metadata | None = None) -> dict[str, SourceTensor]:
     """Name -> :class:`SourceTensor` for every tensor of the snapshot at ``path``."""
     metadata = read_metadata(path) if metadata is None else metadata
+    check_sizes(path, metadata)
     storage: Mapping[Any, Any] = metadata.storage_data or {}
-    sizes: dict[str, int] = {}
     index: dict[str, SourceTensor] = {}
     for name, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
@@ -97,12 +109,6 @@ def index_snapshot(path: Path, metadata: Metadata | None = None) -> dict[str, So
                 continue
             info = _storage_info(storage, name, offsets, i)
             file = path / info.relative_path
-            sizes.setdefault(info.relative_path, _file_size(file))
-            if info.offset + info.length > sizes[info.relative_path]:
-                raise CorruptSnapshot(
-                    f"{info.relative_path} is truncated: {name} needs bytes up to "
-                    f"{info.offset + info.length}, the file has {sizes[info.relative_path]}"
-                )
             if getattr(info, "transform_descriptors", None):
                 raise Unsupported(f"{name}: stored with transforms {info.transform_descriptors}")
             data_offset = _locate_data(file, info.offset, info.length, dtype, chunk_shape, name)

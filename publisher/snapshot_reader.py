@@ -61,7 +61,7 @@ def read_metadata(path: Path) -> Metadata:
     try:
         return dcp.FileSystemReader(path).read_metadata()
     except Exception as exc:  # DCP raises assorted errors on a damaged .metadata
-        raise CorruptSnapshot(f".metadata unreadable: {exc}") from None
+        raise CorruptSnapshot(f".metadata unreadable: {type(exc).__name__}: {exc}") from None
 
 
 def load_tensors(snapshot: Snapshot, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
@@ -77,5 +77,6 @@ def load_tensors(snapshot: Snapshot, metadata: Metadata | None = None) -> dict[s
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, storage_reader=dcp.FileSystemReader(snapshot.path), no_dist=True)
     except Exception as exc:  # truncated or missing data files surface as various errors
-        raise CorruptSnapshot(f"tensor data unreadable: {exc}") from None
+        last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+        raise CorruptSnapshot(f"tensor data unreadable: {last[0]}") from None
     return state

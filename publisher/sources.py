@@ -33,7 +33,7 @@ class DcpSource:
         for chunk in tensor.chunks:
             lo, hi = max(start, chunk.row_start), min(stop, chunk.row_stop)
             if lo < hi:
-                offset = chunk.offset + (lo - chunk.row_start) * tensor.row_bytes + 0 * 2
+                offset = chunk.offset + (lo - chunk.row_start) * tensor.row_bytes
                 pieces.append(FileRange(chunk.file, offset, (hi - lo) * tensor.row_bytes))
         return _merge(pieces)
 
