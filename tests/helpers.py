@@ -173,3 +173,17 @@ def write_sharded_snapshot(
     (path / "config.json").write_text(json.dumps(hf_config(shape)))
     SnapshotInfo(uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test").write(path)
     return path
+
+
+def publish_snapshot(
+    checkpoint_dir: Path, step: int, shape: ModelShape, state: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write a snapshot aside and rename it into ``checkpoint_dir``, as the trainer does, so a
+    running publisher never sees it half-written."""
+    staging = checkpoint_dir.parent / f"staging-{uuid.uuid4().hex[:8]}"
+    written = write_snapshot(staging, step, shape, state)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir / written.name
+    os.rename(written, final)
+    staging.rmdir()
+    return final
