@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from prometheus_client import generate_latest
 
 from publisher.daemon import Publisher
 from publisher.registry import NOT_LEADER
+from publisher.watcher import SnapshotWatcher
 from shared.config import load_config
 from shared.keys import Keys
 from shared.redis_server import RedisServer
@@ -139,3 +141,36 @@ def test_only_the_lock_holder_publishes_and_registers(
     assert int(client.get(keys.latest)) == 1
     leader.lock.release()
     assert standby.ensure_leader()
+
+
+@pytest.mark.parametrize("poll", [False, True])
+def test_the_watcher_wakes_on_a_new_snapshot_and_on_lost_events(tmp_path: Path, poll: bool) -> None:
+    watcher = SnapshotWatcher(tmp_path, poll=poll)
+    watcher.start()
+    try:
+        assert not watcher.wait(0.2)
+        (tmp_path / "step-1").mkdir()
+        assert watcher.wait(10)  # PollingObserver checks every second
+        # watchdog reports a kernel queue overflow only by logging it: that must wake a rescan.
+        logging.getLogger("watchdog.observers.inotify_c").warning(
+            "Inotify queue overflowed; filesystem events were lost"
+        )
+        assert watcher.wait(0.1)
+        assert watcher.overflow.overflows == 1
+    finally:
+        watcher.stop()
+
+
+def test_a_trainer_resuming_from_an_older_step_gets_a_new_version_number(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    publisher = make_publisher(redis_server, keys, tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    write_snapshot(checkpoints, 10, SHAPE)
+    publisher.scan_once()
+    shutil.rmtree(checkpoints / "step-10")
+    write_snapshot(checkpoints, 6, SHAPE)  # resumed from step 5, a newer snapshot of step 6
+    publisher.scan_once()
+    assert [int(v) for v in client.zrange(keys.versions, 0, -1)] == [1, 2]
+    assert int(client.hget(keys.version(2), "step")) == 6
+    assert int(client.get(keys.latest)) == 2
