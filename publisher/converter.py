@@ -49,6 +49,7 @@ from shared.layout import (
     LayoutError,
     ModelShape,
     check_shapes,
+    check_tp,
     plan_vllm_fused,
     rank_slice,
 )
@@ -105,9 +106,11 @@ def convert(
     tp: int | None = None,
     options: ConvertOptions | None = None,
 ) -> Published:
-    """Write ``snapshot`` as version ``version``; raises :class:`CorruptSnapshot`.
+    """Write ``snapshot`` as version ``version``.
 
-    OSError (a full disk...) leaves no temp directory behind and propagates.
+    Raises :class:`CorruptSnapshot` for a snapshot that cannot be published, LayoutError for a
+    tp (or per-rank split) vLLM would refuse for this model: the setting is wrong, not the
+    snapshot. OSError (a full disk...) leaves no temp directory behind and propagates.
     """
     options = options or ConvertOptions(tp=tp or 1)
     if options.layout not in LAYOUTS:
@@ -118,9 +121,13 @@ def convert(
         shape = ModelShape.from_hf_config(config)
         shapes = source.shapes()
         check_shapes({n: s for n, (s, _) in shapes.items()}, shape)
-        plan = plan_vllm_fused({n: s[0] for n, (s, _) in shapes.items()}, shape, options.tp)
     except LayoutError as exc:
         raise CorruptSnapshot(str(exc)) from None
+    check_tp(shape, options.tp)
+    plan = plan_vllm_fused({n: s[0] for n, (s, _) in shapes.items()}, shape, options.tp)
+    if options.per_rank_files:
+        for p in plan:
+            rank_slice(p.shard, _fused_meta(p, shapes)[1], 0, options.tp)
     tmp = weights_dir / f"{TMP_VERSION_PREFIX}{version}"
     final = weights_dir / version_dir_name(version)
     shutil.rmtree(tmp, ignore_errors=True)

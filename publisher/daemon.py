@@ -31,6 +31,7 @@ from publisher.watcher import SnapshotWatcher
 from shared.config import Config, ConfigError
 from shared.durable import TRASH_PREFIX, remove_dir, sweep
 from shared.keys import Keys
+from shared.layout import LayoutError
 from shared.logs import get_logger
 from shared.observability import Health, serve
 
@@ -190,6 +191,10 @@ class Publisher:
         except CorruptSnapshot as exc:
             self.quarantine(snapshot.path, snapshot.info.snapshot_id, str(exc), snapshot.step)
             return
+        except LayoutError as exc:
+            raise ConfigError(
+                f"publisher.tp={self.cfg.tp} cannot serve the model of {snapshot.path}: {exc}"
+            ) from None
         manifest = published.manifest
         fields: dict[str, Any] = {
             "path": str(published.path.resolve()),
@@ -240,6 +245,8 @@ class Publisher:
                 "snapshot_id": snapshot.info.snapshot_id,
             }
             try:
+                if not self.lock.held:
+                    self.lock.try_acquire()  # taken back if no one else took it meanwhile
                 outcome = self.registry.register(
                     version,
                     snapshot.info.snapshot_id,

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from publisher.converter import LAYOUT_BOTH, ConvertOptions, convert, rank_file_name
 from publisher.dcp_index import index_snapshot
-from publisher.snapshot_reader import CorruptSnapshot, Snapshot
+from publisher.snapshot_reader import Snapshot
 from shared.layout import LayoutError, ModelShape, assemble, plan_vllm_fused, rank_slice
 from shared.manifest import Manifest, verify_files
 from shared.snapshots import SnapshotInfo
@@ -222,8 +222,9 @@ def test_every_qwen3_size_and_tp_through_the_real_converter(tmp_path: Path, mode
                     rank,
                 )
                 assert torch.equal(blocks[rank], expected), f"{model} tp={tp} rank {rank}"
-    with pytest.raises(CorruptSnapshot, match="does not divide"):
+    with pytest.raises(LayoutError, match="does not divide"):
         convert(snapshot_at(snapshot), tmp_path / "w", 99, options=ConvertOptions(tp=3))
+    assert not (tmp_path / "w" / ".tmp-v99").exists()
 
 
 def test_a_tp_vllm_refuses_is_refused_with_the_reason() -> None:

@@ -19,7 +19,7 @@ from shared.config import load_config
 from shared.keys import Keys
 from shared.redis_server import RedisServer
 
-from helpers import hf_config, hf_state, shape_of, write_snapshot
+from helpers import hf_config, hf_state, run_weightcast, shape_of, write_snapshot
 
 SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
 
@@ -174,3 +174,14 @@ def test_a_trainer_resuming_from_an_older_step_gets_a_new_version_number(
     assert [int(v) for v in client.zrange(keys.versions, 0, -1)] == [1, 2]
     assert int(client.hget(keys.version(2), "step")) == 6
     assert int(client.get(keys.latest)) == 2
+
+
+def test_a_tp_the_model_cannot_take_stops_the_publisher_with_the_reason(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    snapshot = write_snapshot(tmp_path / "checkpoints", 1, SHAPE)
+    result = run_weightcast(cli_env, "publisher", "--once", "--tp", "3")
+    assert result.returncode == 2
+    assert "publisher.tp=3 cannot serve the model" in result.stderr
+    assert "does not divide the 4 attention heads" in result.stderr
+    assert snapshot.is_dir() and not client.hlen(keys.snapshots)  # kept for a fixed publisher
