@@ -313,7 +313,6 @@ def _write_hf(
 def _write_file(directory: Path, name: str, outputs: Sequence[OutputTensor]) -> FileEntry:
     path = directory / name
     written = write_safetensors(path, outputs, _METADATA)
-    fsync_path(path)
     return FileEntry(name, written.bytes, written.sha256)
 
 

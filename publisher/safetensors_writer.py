@@ -3,19 +3,27 @@
 The header is built the way ``safetensors.torch.save_file`` builds it (tensors ordered by
 dtype, widest alignment first, then by name; compact JSON; padded with spaces to 8 bytes), so
 a file written here is byte for byte the file ``save_file`` writes for the same tensors.
-Data comes from :class:`FileRange` pieces (copied in the kernel with ``copy_file_range``),
-:class:`Columns` pieces (a column block of a row-major matrix, gathered through one reused
-buffer) or bytes already in memory. A second thread hashes the file as it grows, so the
-sha256 the manifest needs costs no extra pass; the caller fsyncs.
+
+Data comes from :class:`FileRange` pieces (byte ranges of the snapshot's files),
+:class:`Columns` pieces (a column block of a row-major matrix, for per-rank files) or bytes
+already in memory. They are gathered into a few reused, page-aligned buffers; the calling
+thread fills and hashes one buffer (the manifest's sha256 costs no extra pass) while a writer
+thread writes the previous one with ``O_DIRECT``, so reading, hashing and the disk overlap
+and the page cache is neither filled nor flushed. Filesystems without ``O_DIRECT`` (tmpfs)
+get ordinary writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import math
+import mmap
 import os
+import queue
 import struct
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +33,8 @@ from pathlib import Path
 import torch
 
 BUFFER_BYTES = 16 * 1024 * 1024
+BUFFERS = 3
+_ALIGN = 4096
 
 _DTYPE_NAMES = {
     torch.bool: "BOOL",
@@ -131,165 +141,179 @@ def header(tensors: Sequence[OutputTensor], metadata: Mapping[str, str]) -> byte
 def write_safetensors(
     path: Path, tensors: Iterable[OutputTensor], metadata: Mapping[str, str]
 ) -> Written:
-    """Write ``tensors`` to a new file at ``path``; returns its size and sha256 (not fsynced)."""
+    """Write ``tensors`` to a new file at ``path`` and fsync it; returns its size and sha256."""
     ordered = file_order(tensors)
     for t in ordered:
         got = sum(piece_bytes(p) for p in t.pieces)
         if got != t.nbytes:
             raise ValueError(f"{t.name}: pieces hold {got} bytes, shape {t.shape} needs {t.nbytes}")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        hasher = _TrailingHasher(path)
-        with _Copier(fd, hasher) as copier:
-            copier.write(memoryview(header(ordered, metadata)))
-            for t in ordered:
-                for piece in t.pieces:
-                    copier.copy(piece)
-        return Written(copier.position, hasher.hexdigest())
-    finally:
-        os.close(fd)
+    with _PipelinedWriter(path) as writer:
+        writer.append(memoryview(header(ordered, metadata)))
+        for t in ordered:
+            for piece in t.pieces:
+                writer.copy(piece)
+    return Written(writer.size, writer.digest.hexdigest())
 
 
-class _TrailingHasher(threading.Thread):
-    """Hashes ``path`` from the start up to the writer's position, following it as it grows."""
+class _PipelinedWriter:
+    """Fill-and-hash here, write there: a bounded ring of aligned buffers between two threads."""
 
     def __init__(self, path: Path) -> None:
-        super().__init__(name="weightcast-hash", daemon=True)
         self.path = path
         self.digest = hashlib.sha256()
-        self.cond = threading.Condition()
-        self.available = 0
-        self.finished = False
-        self.error: BaseException | None = None
-
-    def advance(self, position: int, finished: bool = False) -> None:
-        with self.cond:
-            self.available, self.finished = position, finished
-            self.cond.notify()
-
-    def run(self) -> None:
-        buffer = bytearray(BUFFER_BYTES)
-        view = memoryview(buffer)
-        done = 0
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-            try:
-                while True:
-                    with self.cond:
-                        while self.available == done and not self.finished:
-                            self.cond.wait()
-                        limit, finished = self.available, self.finished
-                    while done < limit:
-                        n = os.preadv(fd, [view[: min(BUFFER_BYTES, limit - done)]], done)
-                        if n <= 0:
-                            raise OSError(f"{self.path}: short read while hashing at {done}")
-                        self.digest.update(view[:n])
-                        done += n
-                    if finished and done == limit:
-                        return
-            finally:
-                os.close(fd)
-        except BaseException as exc:  # reported to the writer thread by hexdigest()
-            self.error = exc
-
-    def hexdigest(self) -> str:
-        self.join()
-        if self.error is not None:
-            raise self.error
-        return self.digest.hexdigest()
-
-
-class _Copier:
-    """Appends pieces to ``fd``; one reused buffer, source files opened once each."""
-
-    def __init__(self, fd: int, hasher: _TrailingHasher) -> None:
-        self.fd = fd
-        self.hasher = hasher
-        self.position = 0
+        self.size = 0
+        self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
+        self.free: queue.Queue[int] = queue.Queue()
+        self.full: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self.sources: dict[Path, int] = {}
-        self.kernel_copy = True
-        self._buffer: memoryview | None = None
+        self.error: BaseException | None = None
+        self._scratch: memoryview | None = None
+        self.fd, self.direct = _open_output(path)
+        for i in range(BUFFERS):
+            self.free.put(i)
+        self.current = self.free.get()
+        self.filled = 0
+        self.thread = threading.Thread(target=self._write_loop, name="weightcast-writer")
 
-    def __enter__(self) -> _Copier:
-        self.hasher.start()
+    def __enter__(self) -> _PipelinedWriter:
+        self.thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.hasher.advance(self.position, finished=True)
-        for source in self.sources.values():
-            os.close(source)
-        if exc[0] is not None:
-            self.hasher.join()
-
-    @property
-    def buffer(self) -> memoryview:
-        if self._buffer is None:
-            self._buffer = memoryview(bytearray(BUFFER_BYTES))
-        return self._buffer
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        try:
+            if exc_type is None:
+                self._hand_over()
+            self.full.put(None)
+            self.thread.join()
+            if exc_type is None:
+                if self.error is not None:
+                    raise self.error
+                os.ftruncate(self.fd, self.size)  # drop the padding of the last direct write
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            for fd in self.sources.values():
+                os.close(fd)
+            for buffer in self.buffers:
+                buffer.close()
 
     def copy(self, piece: Piece) -> None:
         if isinstance(piece, FileRange):
-            self._copy_range(self._source(piece.file), piece.offset, piece.length)
+            self._read_range(self._source(piece.file), piece.offset, piece.length)
         elif isinstance(piece, Columns):
             self._copy_columns(piece)
         else:
-            self.write(piece.cast("B"))
+            self.append(piece.cast("B"))
 
-    def write(self, data: memoryview) -> None:
+    def append(self, data: memoryview) -> None:
         done = 0
         while done < len(data):
-            done += os.write(self.fd, data[done:])
-        self._advanced(len(data))
+            n = min(len(data) - done, BUFFER_BYTES - self.filled)
+            view = memoryview(self.buffers[self.current])
+            view[self.filled : self.filled + n] = data[done : done + n]
+            view.release()
+            self._filled(n)
+            done += n
+
+    def _read_range(self, source: int, offset: int, length: int) -> None:
+        end = offset + length
+        while offset < end:
+            room = min(end - offset, BUFFER_BYTES - self.filled)
+            view = memoryview(self.buffers[self.current])
+            try:
+                n = os.preadv(source, [view[self.filled : self.filled + room]], offset)
+            finally:
+                view.release()
+            if n <= 0:
+                raise SourceEnded(errno.EIO, f"source ended {end - offset} bytes early")
+            offset += n
+            self._filled(n)
+
+    def _copy_columns(self, piece: Columns) -> None:
+        source = self._source(piece.file)
+        if piece.row_bytes > BUFFER_BYTES:
+            raise ValueError(f"rows of {piece.row_bytes} bytes do not fit the copy buffer")
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(BUFFER_BYTES))
+        rows_per_read = BUFFER_BYTES // piece.row_bytes
+        for first in range(0, piece.rows, rows_per_read):
+            count = min(rows_per_read, piece.rows - first)
+            block = self._scratch[: count * piece.row_bytes]
+            if os.preadv(source, [block], piece.offset + first * piece.row_bytes) != len(block):
+                raise SourceEnded(errno.EIO, f"short read of {piece.file}")
+            for i in range(count):
+                start = i * piece.row_bytes + piece.start
+                self.append(block[start : start + piece.length])
+
+    def _filled(self, n: int) -> None:
+        self.filled += n
+        self.size += n
+        if self.filled == BUFFER_BYTES:
+            self._hand_over()
+            self.current = self._next_free()
+            self.filled = 0
+
+    def _hand_over(self) -> None:
+        """Hash the current buffer here, then let the writer thread write it."""
+        view = memoryview(self.buffers[self.current])
+        self.digest.update(view[: self.filled])
+        view.release()
+        self.full.put((self.current, self.filled))
+
+    def _next_free(self) -> int:
+        while True:
+            try:
+                return self.free.get(timeout=1)
+            except queue.Empty:
+                if self.error is not None or not self.thread.is_alive():
+                    raise self.error or OSError(errno.EIO, "writer thread died") from None
 
     def _source(self, file: Path) -> int:
         if file not in self.sources:
             self.sources[file] = os.open(file, os.O_RDONLY)
         return self.sources[file]
 
-    def _advanced(self, n: int) -> None:
-        self.position += n
-        self.hasher.advance(self.position)
-
-    def _copy_range(self, source: int, offset: int, length: int) -> None:
-        end = offset + length
-        while offset < end:
-            step = min(end - offset, 256 * 1024 * 1024)
-            n = self._copy_step(source, offset, step)
-            if n == 0:
-                raise SourceEnded(errno.EIO, f"source ended {end - offset} bytes early")
-            offset += n
-            self._advanced(n)
-
-    def _copy_step(self, source: int, offset: int, length: int) -> int:
-        if self.kernel_copy:
+    def _write_loop(self) -> None:
+        while (item := self.full.get()) is not None:
+            index, n = item
             try:
-                return os.copy_file_range(source, self.fd, length, offset)
-            except OSError as exc:
-                if exc.errno not in _NO_COPY_FILE_RANGE:
-                    raise
-                self.kernel_copy = False
-        view = self.buffer[: min(length, BUFFER_BYTES)]
-        n = os.preadv(source, [view], offset)
-        done = 0
-        while done < n:
-            done += os.write(self.fd, view[done:n])
-        return n
+                if self.error is None:
+                    self._write(memoryview(self.buffers[index]), n)
+            except BaseException as exc:  # handed to the filling thread
+                self.error = exc
+            self.free.put(index)
 
-    def _copy_columns(self, piece: Columns) -> None:
-        source = self._source(piece.file)
-        if piece.row_bytes + piece.length > BUFFER_BYTES:
-            raise ValueError(f"rows of {piece.row_bytes} bytes do not fit the copy buffer")
-        rows_per_read = max(1, BUFFER_BYTES // (piece.row_bytes + piece.length))
-        out_room = rows_per_read * piece.length
-        for first in range(0, piece.rows, rows_per_read):
-            count = min(rows_per_read, piece.rows - first)
-            block = self.buffer[: count * piece.row_bytes]
-            n = os.preadv(source, [block], piece.offset + first * piece.row_bytes)
-            if n != len(block):
-                raise SourceEnded(errno.EIO, f"short read of {piece.file}")
-            out_start = BUFFER_BYTES - out_room
-            out = self.buffer[out_start : out_start + count * piece.length]
-            for i in range(count):
-                src = i * piece.row_bytes + piece.start
-                out[i * piece.length : (i + 1) * piece.length] = block[src : src + piece.length]
-            self.write(out)
+    def _write(self, view: memoryview, n: int) -> None:
+        if self.direct and n % _ALIGN:
+            view[n : n + (-n % _ALIGN)] = bytes(-n % _ALIGN)  # padding, truncated at the end
+            n += -n % _ALIGN
+        done = 0
+        try:
+            while done < n:
+                done += os.write(self.fd, view[done:n])
+        except OSError as exc:
+            if not self.direct or exc.errno != errno.EINVAL:
+                raise
+            self._drop_direct()
+            while done < n:
+                done += os.write(self.fd, view[done:n])
+        finally:
+            view.release()
+
+    def _drop_direct(self) -> None:
+        """A filesystem that accepted O_DIRECT at open but not for this write: go buffered."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self.direct = False
+
+
+def _open_output(path: Path) -> tuple[int, bool]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644), True
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return os.open(path, flags, 0o644), False

@@ -131,6 +131,7 @@ dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in load_file(sys.argv[1]).items()}
 dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[2]))
+dist.barrier()
 dist.destroy_process_group()
 """
 
