@@ -22,7 +22,6 @@ Layouts (``--layout``):
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from publisher.snapshot_reader import (
     read_metadata,
 )
 from publisher.sources import DcpSource, MemorySource, Source
-from shared.durable import fsync_path, publish_dir, write_json
+from shared.durable import fsync_path, publish_dir, write_bytes, write_json
 from shared.layout import (
     LAYOUT_HF,
     LAYOUT_VLLM_FUSED,
@@ -149,7 +148,7 @@ def convert(
             hf_dir=HF_DIR if options.layout == LAYOUT_BOTH else None,
         )
         manifest_json = manifest.to_json().encode()
-        _write_durable(tmp / MANIFEST_NAME, manifest_json)
+        write_bytes(tmp / MANIFEST_NAME, manifest_json)
         if options.layout == LAYOUT_BOTH:
             fsync_path(tmp / HF_DIR)
         fsync_path(tmp)
@@ -314,13 +313,6 @@ def _write_file(directory: Path, name: str, outputs: Sequence[OutputTensor]) -> 
     path = directory / name
     written = write_safetensors(path, outputs, _METADATA)
     return FileEntry(name, written.bytes, written.sha256)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _entry(t: OutputTensor, file: str, shard: dict[str, Any], rank: int | None = None) -> Any:

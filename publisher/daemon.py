@@ -57,6 +57,13 @@ class Publisher:
             raise ConfigError(f"publisher.layout must be one of {', '.join(LAYOUTS)}")
         if cfg.reader not in ("auto", "dcp-load"):
             raise ConfigError(f"publisher.reader must be auto or dcp-load, got {cfg.reader!r}")
+        for name in ("leader_ttl_seconds", "retry_max_seconds", "rescan_seconds"):
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(f"publisher.{name} must be > 0, got {getattr(cfg, name)}")
+        if cfg.keep_quarantined < 0:
+            raise ConfigError(
+                f"publisher.keep_quarantined must be >= 0, got {cfg.keep_quarantined}"
+            )
         self.cfg = cfg
         self.options = ConvertOptions(cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader)
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
