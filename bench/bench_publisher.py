@@ -1,12 +1,14 @@
 """Publish time and peak RSS of the real publisher daemon against a raw copy with fsync.
 
 For each model shape a random bf16 DCP snapshot is written once as a template. Each run then
-(1) copies the template's data files into the weights filesystem with fsync: the baseline,
-the time any publish must at least spend moving those bytes; and (2) copies the template to
-``.tmp-step-N/``, renames it to ``step-N/`` and times, from just before the rename, until
-the running publisher's ``published`` event arrives (watch, convert, fsync, rename,
-register). Medians over the runs, their ratio, and the publisher's peak RSS (VmHWM, its
-whole life, torch import included) are printed.
+copies the template to ``.tmp-step-N/``, then (1) copies the template's data files into the
+weights filesystem with fsync: the baseline, the time any publish must at least spend moving
+those bytes; and (2) renames ``.tmp-step-N/`` to ``step-N/`` and times, from just before the
+rename, until the running publisher's ``published`` event arrives (watch, convert, hash,
+fsync, rename, register). Before each timing the filesystem is synced and left idle for a
+second, so earlier deletes and writeback do not land in it. Medians over the runs, their
+ratio, and the publisher's peak RSS (VmHWM, its whole life, torch import included) are
+printed.
 
     .venv/bin/python bench/bench_publisher.py                # tiny, 0.6B, 1.7B
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --runs 7 --reader dcp-load
@@ -89,8 +91,14 @@ def write_template(path: Path, s: dict) -> int:
     return sum(f.stat().st_size for f in path.glob("*.distcp"))
 
 
+def settle() -> None:
+    """Flush and wait, so that earlier deletes (discards) and writeback do not land in a timing."""
+    os.sync()
+    time.sleep(1.0)
+
+
 def raw_copy(template: Path, target: Path) -> float:
-    """Copy the template's data files with fsync: the baseline."""
+    """Copy the template's data files with fsync: the baseline (the caller removes ``target``)."""
     start = time.perf_counter()
     target.mkdir()
     for src in sorted(template.glob("*.distcp")):
@@ -102,9 +110,7 @@ def raw_copy(template: Path, target: Path) -> float:
     fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
     os.fsync(fd)
     os.close(fd)
-    seconds = time.perf_counter() - start
-    shutil.rmtree(target)
-    return seconds
+    return time.perf_counter() - start
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -149,11 +155,12 @@ def bench_shape(name: str, runs: int, root: Path, server: RedisServer, args: arg
             time.sleep(0.1)
         raw, publish = [], []
         for step in range(1, runs + 1):
-            raw.append(raw_copy(template, weights / f".raw-{step}"))
             tmp = checkpoints / f".tmp-step-{step}"
             shutil.copytree(template, tmp)
             SnapshotInfo(uuid.uuid4().hex, "bench", step, time.time(), "bfloat16", name).write(tmp)
-            os.sync()
+            settle()
+            raw.append(raw_copy(template, weights / f".raw-{step}"))
+            settle()
             start = time.perf_counter()
             os.rename(tmp, checkpoints / f"step-{step}")
             while True:
@@ -164,6 +171,7 @@ def bench_shape(name: str, runs: int, root: Path, server: RedisServer, args: arg
                     break
             publish.append(time.perf_counter() - start)
             events.get_message(timeout=0.5)  # an eviction event, if any
+            shutil.rmtree(weights / f".raw-{step}")
         rss = peak_rss_mb(daemon.pid)
     finally:
         daemon.terminate()
