@@ -5,10 +5,11 @@ copies the template to ``.tmp-step-N/``, then (1) copies the template's data fil
 weights filesystem with fsync: the baseline, the time any publish must at least spend moving
 those bytes; and (2) renames ``.tmp-step-N/`` to ``step-N/`` and times, from just before the
 rename, until the running publisher's ``published`` event arrives (watch, convert, hash,
-fsync, rename, register). Before each timing the filesystem is synced and left idle for a
-second, so earlier deletes and writeback do not land in it. Medians over the runs, their
-ratio, and the publisher's peak RSS (VmHWM, its whole life, torch import included) are
-printed.
+fsync, rename, register). A second baseline copies with ``dd oflag=direct``, which like
+the publisher's writer bypasses the page cache. Before each timing the filesystem is synced
+and left idle for a second, so earlier deletes and writeback do not land in it. Medians over
+the runs, the ratios, and the publisher's peak RSS (VmHWM, its whole life, torch import
+included) are printed.
 
     .venv/bin/python bench/bench_publisher.py                # tiny, 0.6B, 1.7B
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --runs 7 --reader dcp-load
@@ -113,6 +114,20 @@ def raw_copy(template: Path, target: Path) -> float:
     return time.perf_counter() - start
 
 
+def direct_copy(template: Path, target: Path) -> float:
+    """The same bytes with ``dd oflag=direct conv=fsync``: a copy that bypasses the page cache,
+    as the publisher's writer does (the fastest plain copy on this kind of disk)."""
+    start = time.perf_counter()
+    target.mkdir()
+    for src in sorted(template.glob("*.distcp")):
+        subprocess.run(
+            ["dd", f"if={src}", f"of={target / src.name}", "bs=16M", "oflag=direct", "conv=fsync"],
+            check=True,
+            capture_output=True,
+        )
+    return time.perf_counter() - start
+
+
 def peak_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -153,13 +168,15 @@ def bench_shape(name: str, runs: int, root: Path, server: RedisServer, args: arg
             assert daemon.poll() is None, (work / "publisher.log").read_text()
             assert time.monotonic() < deadline, "publisher did not start"
             time.sleep(0.1)
-        raw, publish = [], []
+        raw, direct, publish = [], [], []
         for step in range(1, runs + 1):
             tmp = checkpoints / f".tmp-step-{step}"
             shutil.copytree(template, tmp)
             SnapshotInfo(uuid.uuid4().hex, "bench", step, time.time(), "bfloat16", name).write(tmp)
             settle()
             raw.append(raw_copy(template, weights / f".raw-{step}"))
+            settle()
+            direct.append(direct_copy(template, weights / f".direct-{step}"))
             settle()
             start = time.perf_counter()
             os.rename(tmp, checkpoints / f"step-{step}")
@@ -172,13 +189,14 @@ def bench_shape(name: str, runs: int, root: Path, server: RedisServer, args: arg
             publish.append(time.perf_counter() - start)
             events.get_message(timeout=0.5)  # an eviction event, if any
             shutil.rmtree(weights / f".raw-{step}")
+            shutil.rmtree(weights / f".direct-{step}")
         rss = peak_rss_mb(daemon.pid)
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
-    return nbytes, statistics.median(raw), statistics.median(publish), rss
+    return nbytes, *(statistics.median(x) for x in (raw, direct, publish)), rss
 
 
 def main() -> None:
@@ -191,14 +209,17 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     print(f"reader={args.reader} tp={args.tp} runs={args.runs} dir={root}")
-    print(f"{'shape':>6} {'GB':>6} {'raw copy s':>10} {'publish s':>10} {'ratio':>6} {'RSS MB':>7}")
+    print(
+        f"{'shape':>6} {'GB':>6} {'raw copy s':>10} {'dd direct s':>11} {'publish s':>10} "
+        f"{'ratio':>6} {'vs dd':>6} {'RSS MB':>7}"
+    )
     with RedisServer(root / "redis") as server:
         for name in args.shapes:
             runs = max(3, args.runs if name != "1.7B" else min(args.runs, 3))
-            nbytes, raw, publish, rss = bench_shape(name, runs, root, server, args)
+            nbytes, raw, direct, publish, rss = bench_shape(name, runs, root, server, args)
             print(
-                f"{name:>6} {nbytes / 1e9:6.2f} {raw:10.3f} {publish:10.3f} "
-                f"{publish / raw:6.2f} {rss:7.0f}",
+                f"{name:>6} {nbytes / 1e9:6.2f} {raw:10.3f} {direct:11.3f} {publish:10.3f} "
+                f"{publish / raw:6.2f} {publish / direct:6.2f} {rss:7.0f}",
                 flush=True,
             )
     shutil.rmtree(root, ignore_errors=True)
