@@ -6,11 +6,11 @@ a file written here is byte for byte the file ``save_file`` writes for the same 
 
 Data comes from :class:`FileRange` pieces (byte ranges of the snapshot's files),
 :class:`Columns` pieces (a column block of a row-major matrix, for per-rank files) or bytes
-already in memory. They are gathered into a few reused, page-aligned buffers; the calling
-thread fills and hashes one buffer (the manifest's sha256 costs no extra pass) while a writer
-thread writes the previous one with ``O_DIRECT``, so reading, hashing and the disk overlap
-and the page cache is neither filled nor flushed. Filesystems without ``O_DIRECT`` (tmpfs)
-get ordinary writes.
+already in memory. They are gathered into a few reused, page-aligned buffers: the calling
+thread fills one, a hash thread hashes the one before (the manifest's sha256 costs no extra
+pass) and a writer thread writes an earlier one with ``O_DIRECT``, so reading, hashing and
+the disk overlap and the page cache is neither filled nor flushed. Filesystems without
+``O_DIRECT`` (tmpfs) get ordinary writes.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 BUFFER_BYTES = 16 * 1024 * 1024
-BUFFERS = 3
+BUFFERS = 4
 _ALIGN = 4096
 
 _DTYPE_NAMES = {
@@ -156,7 +156,7 @@ def write_safetensors(
 
 
 class _PipelinedWriter:
-    """Fill-and-hash here, write there: a bounded ring of aligned buffers between two threads."""
+    """Fill here, hash in one thread, write in another: a ring of aligned buffers."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -165,6 +165,7 @@ class _PipelinedWriter:
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
         self.full: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.hashed: queue.Queue[tuple[int, int] | None] = queue.Queue()
         self.sources: dict[Path, int] = {}
         self.error: BaseException | None = None
         self._scratch: memoryview | None = None
@@ -173,10 +174,14 @@ class _PipelinedWriter:
             self.free.put(i)
         self.current = self.free.get()
         self.filled = 0
-        self.thread = threading.Thread(target=self._write_loop, name="weightcast-writer")
+        self.threads = [
+            threading.Thread(target=self._hash_loop, name="weightcast-hash"),
+            threading.Thread(target=self._write_loop, name="weightcast-writer"),
+        ]
 
     def __enter__(self) -> _PipelinedWriter:
-        self.thread.start()
+        for thread in self.threads:
+            thread.start()
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
@@ -184,7 +189,8 @@ class _PipelinedWriter:
             if exc_type is None:
                 self._hand_over()
             self.full.put(None)
-            self.thread.join()
+            for thread in self.threads:
+                thread.join()
             if exc_type is None:
                 if self.error is not None:
                     raise self.error
@@ -254,10 +260,6 @@ class _PipelinedWriter:
             self.filled = 0
 
     def _hand_over(self) -> None:
-        """Hash the current buffer here, then let the writer thread write it."""
-        view = memoryview(self.buffers[self.current])
-        self.digest.update(view[: self.filled])
-        view.release()
         self.full.put((self.current, self.filled))
 
     def _next_free(self) -> int:
@@ -265,16 +267,26 @@ class _PipelinedWriter:
             try:
                 return self.free.get(timeout=1)
             except queue.Empty:
-                if self.error is not None or not self.thread.is_alive():
-                    raise self.error or OSError(errno.EIO, "writer thread died") from None
+                if self.error is not None or not all(t.is_alive() for t in self.threads):
+                    raise self.error or OSError(errno.EIO, "a writer thread died") from None
 
     def _source(self, file: Path) -> int:
         if file not in self.sources:
             self.sources[file] = os.open(file, os.O_RDONLY)
         return self.sources[file]
 
-    def _write_loop(self) -> None:
+    def _hash_loop(self) -> None:
+        """Hash buffers in file order (before the writer may pad them), pass them on."""
         while (item := self.full.get()) is not None:
+            index, n = item
+            view = memoryview(self.buffers[index])
+            self.digest.update(view[:n])
+            view.release()
+            self.hashed.put(item)
+        self.hashed.put(None)
+
+    def _write_loop(self) -> None:
+        while (item := self.hashed.get()) is not None:
             index, n = item
             try:
                 if self.error is None:

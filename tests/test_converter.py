@@ -19,7 +19,12 @@ from shared.manifest import Manifest, verify_files
 from shared.snapshots import SnapshotInfo
 
 from helpers import hf_config, hf_state, shape_of, write_sharded_snapshot, write_snapshot
-from vllm_reference import qkv_parallel_rank, row_parallel_rank, vocab_parallel_rank
+from vllm_reference import (
+    merged_column_parallel_rank,
+    qkv_parallel_rank,
+    row_parallel_rank,
+    vocab_parallel_rank,
+)
 
 SMALL = shape_of(4, 2, 16, hidden=32, inter=64, tied=False, bias=True)
 
@@ -199,29 +204,59 @@ QWEN3 = {
 }
 
 
+def expected_gate_up(state: dict, layer: int, tp: int, rank: int) -> torch.Tensor:
+    mlp = f"model.layers.{layer}.mlp"
+    return merged_column_parallel_rank(
+        state[f"{mlp}.gate_proj.weight"], state[f"{mlp}.up_proj.weight"], tp, rank
+    )
+
+
+def expected_qkv(state: dict, shape: ModelShape, layer: int, kind: str, tp: int, rank: int):
+    attn = f"model.layers.{layer}.self_attn"
+    return qkv_parallel_rank(
+        *(state[f"{attn}.{x}_proj.{kind}"] for x in "qkv"),
+        shape.num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        tp,
+        rank,
+    )
+
+
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("model", list(QWEN3))
-def test_every_qwen3_size_and_tp_through_the_real_converter(tmp_path: Path, model: str) -> None:
+def test_every_qwen3_size_and_tp_through_the_real_converter(
+    tmp_path: Path, model: str, bias: bool
+) -> None:
+    """Real head counts, head_dim scaled down; whole fused files and per-rank files."""
     spec = QWEN3[model]
-    shape = shape_of(spec["heads"], spec["kv"], 8, hidden=32, inter=64, tied=spec["tied"])
+    shape = shape_of(
+        spec["heads"], spec["kv"], 8, hidden=32, inter=64, tied=spec["tied"], bias=bias
+    )
     state = hf_state(shape, torch.bfloat16)
     snapshot = write_snapshot(tmp_path, 1, shape, state)
+    kinds = ["weight", "bias"] if bias else ["weight"]
     for tp in (1, 2, 4, 8, 16):
         version = publish(tmp_path, snapshot, tp, options=ConvertOptions(tp=tp))
         fused = load_file(str(version / "model.safetensors"))
         assert ("lm_head.weight" in fused) != spec["tied"]
-        for layer in range(shape.num_layers):
-            attn = f"model.layers.{layer}.self_attn"
-            blocks = fused[f"{attn}.qkv_proj.weight"].chunk(tp)
-            for rank in range(tp):
-                expected = qkv_parallel_rank(
-                    *(state[f"{attn}.{x}_proj.weight"] for x in "qkv"),
-                    shape.num_heads,
-                    shape.num_kv_heads,
-                    shape.head_dim,
-                    tp,
-                    rank,
-                )
-                assert torch.equal(blocks[rank], expected), f"{model} tp={tp} rank {rank}"
+        assert "model.layers.1.self_attn.q_norm.weight" in fused
+        per_rank = publish(
+            tmp_path, snapshot, 100 + tp, options=ConvertOptions(tp=tp, per_rank_files=True)
+        )
+        for rank in range(tp):
+            mine = load_file(str(per_rank / rank_file_name(rank, tp))) if tp > 1 else fused
+            for layer in range(shape.num_layers):
+                attn = f"model.layers.{layer}.self_attn"
+                for kind in kinds:
+                    expected = expected_qkv(state, shape, layer, kind, tp, rank)
+                    block = fused[f"{attn}.qkv_proj.{kind}"].chunk(tp)[rank]
+                    assert torch.equal(block, expected), f"{model} tp={tp} rank {rank}"
+                    assert torch.equal(mine[f"{attn}.qkv_proj.{kind}"], expected)
+                expected = expected_gate_up(state, layer, tp, rank)
+                block = fused[f"model.layers.{layer}.mlp.gate_up_proj.weight"].chunk(tp)[rank]
+                assert torch.equal(block, expected)
+                assert torch.equal(mine[f"model.layers.{layer}.mlp.gate_up_proj.weight"], expected)
     with pytest.raises(LayoutError, match="does not divide"):
         convert(snapshot_at(snapshot), tmp_path / "w", 99, options=ConvertOptions(tp=3))
     assert not (tmp_path / "w" / ".tmp-v99").exists()
