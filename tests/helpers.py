@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -148,27 +149,31 @@ def write_sharded_snapshot(
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     source = checkpoint_dir / f"state-{step}.safetensors"
     save_file(state, str(source))
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(ranks),
-            "--master_port",
-            str(free_port()),
-            "--no-python",
-            sys.executable,
-            "-c",
-            _SHARDED_SAVE,
-            str(source),
-            str(path),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    for _attempt in range(3):  # gloo start-up sometimes aborts on a loaded 2-core machine
+        shutil.rmtree(path, ignore_errors=True)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(ranks),
+                "--master_port",
+                str(free_port()),
+                "--no-python",
+                sys.executable,
+                "-c",
+                _SHARDED_SAVE,
+                str(source),
+                str(path),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode == 0:
+            break
     assert result.returncode == 0, result.stderr[-3000:]
     source.unlink()
     (path / "config.json").write_text(json.dumps(hf_config(shape)))
