@@ -17,7 +17,7 @@ from publisher.registry import NOT_LEADER
 from publisher.watcher import SnapshotWatcher
 from shared.config import load_config
 from shared.keys import Keys
-from shared.redis_server import RedisServer
+from shared.redis_server import RedisServer, free_port
 
 from helpers import hf_config, hf_state, run_weightcast, shape_of, write_snapshot
 
@@ -185,3 +185,18 @@ def test_a_tp_the_model_cannot_take_stops_the_publisher_with_the_reason(
     assert "publisher.tp=3 cannot serve the model" in result.stderr
     assert "does not divide the 4 attention heads" in result.stderr
     assert snapshot.is_dir() and not client.hlen(keys.snapshots)  # kept for a fixed publisher
+
+
+def test_healthz_says_unhealthy_when_redis_is_gone_or_the_loop_is_stuck(
+    redis_server: RedisServer, keys: Keys, tmp_path: Path
+) -> None:
+    publisher = make_publisher(redis_server, keys, tmp_path)
+    assert publisher.health().ok
+    publisher.last_tick -= 3600  # the loop has not come round for an hour
+    stuck = publisher.health()
+    assert not stuck.ok and stuck.detail["seconds_since_loop"] >= 3600
+
+    settings = {"redis_url": f"redis://127.0.0.1:{free_port()}/0", "namespace": keys.namespace}
+    orphan = Publisher(load_config(env={}, overrides=settings))
+    gone = orphan.health()
+    assert not gone.ok and gone.detail["redis"].startswith("unreachable")

@@ -248,6 +248,8 @@ def test_a_redis_restart_mid_stream_is_ridden_out(keys: Keys, tmp_path: Path) ->
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
             metrics = reply.read().decode()
         assert 'weightcast_publisher_errors_total{kind="redis"}' in metrics
+        assert 'weightcast_versions_published_total{reader="byte-range"} 2.0' in metrics
+        assert "weightcast_publish_lag_seconds_count 2.0" in metrics
         assert daemon.stop() == 0
         outcomes = handled(client, keys)
         assert outcomes[ids[0]] == "1" and outcomes[ids[1]] == "skipped"
