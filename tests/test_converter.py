@@ -87,6 +87,15 @@ def test_a_snapshot_written_by_two_fsdp_ranks_converts_to_the_same_bytes(tmp_pat
         b = publish(tmp_path, sharded, 20 + tp, options=ConvertOptions(tp=tp))
         assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     assert (a / "model.safetensors").read_bytes() == reference_file(tmp_path, state, shape, 2)
+    # Per-rank files cut o_proj / down_proj by columns across both ranks' row blocks.
+    options = ConvertOptions(tp=2, per_rank_files=True)
+    a, b = (
+        publish(tmp_path, single, 31, options=options),
+        publish(tmp_path, sharded, 32, options=options),
+    )
+    for rank in range(2):
+        name = rank_file_name(rank, 2)
+        assert (a / name).read_bytes() == (b / name).read_bytes()
 
 
 def test_storage_it_does_not_recognise_falls_back_to_dcp_load(tmp_path: Path) -> None:
