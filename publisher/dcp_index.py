@@ -73,15 +73,11 @@ class SourceTensor:
     def row_bytes(self) -> int:
         return math.prod(self.shape[1:]) * self.dtype.itemsize
 
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
 
 def check_sizes(path: Path, metadata: Metadata) -> None:
     """Raise :class:`CorruptSnapshot` when a data file is shorter than ``.metadata`` says."""
     sizes: dict[str, int] = {}
-    for key, info in (metadata.storage_data or {}).items():
+    for key, info in _storage(metadata).items():
         size = sizes.setdefault(info.relative_path, _file_size(path / info.relative_path))
         if info.offset + info.length > size:
             raise CorruptSnapshot(
@@ -94,7 +90,7 @@ def index_snapshot(path: Path, metadata: Metadata | None = None) -> dict[str, So
     """Name -> :class:`SourceTensor` for every tensor of the snapshot at ``path``."""
     metadata = read_metadata(path) if metadata is None else metadata
     check_sizes(path, metadata)
-    storage: Mapping[Any, Any] = metadata.storage_data or {}
+    storage = {(key.fqn, tuple(key.offset)): info for key, info in _storage(metadata).items()}
     index: dict[str, SourceTensor] = {}
     for name, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
@@ -125,11 +121,17 @@ def index_snapshot(path: Path, metadata: Metadata | None = None) -> dict[str, So
     return index
 
 
+def _storage(metadata: Metadata) -> Mapping[Any, Any]:
+    return metadata.storage_data or {}
+
+
 def _storage_info(storage: Mapping[Any, Any], name: str, offsets: tuple[int, ...], i: int) -> Any:
-    for key, info in storage.items():
-        if key.fqn == name and tuple(key.offset) == offsets:
-            return info
-    raise CorruptSnapshot(f".metadata has no storage entry for {name} chunk {i} at {offsets}")
+    try:
+        return storage[(name, offsets)]
+    except KeyError:
+        raise CorruptSnapshot(
+            f".metadata has no storage entry for {name} chunk {i} at {offsets}"
+        ) from None
 
 
 def _file_size(file: Path) -> int:
