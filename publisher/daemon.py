@@ -1,9 +1,12 @@
-"""The publisher's loop: scan, publish the newest complete snapshot, evict, prune, wait.
+"""The publisher's loop: lead, scan, publish the newest complete snapshot, evict, prune, wait.
 
-A scan runs at start, after every watchdog hint and at least every ``rescan_seconds``.
-When several snapshots are pending only the newest is published; the older ones are
-recorded as skipped. Published, skipped and quarantined snapshots are removed from the
-checkpoint directory except the newest two.
+Only the holder of the namespace's publisher lock works; a second publisher waits as a
+standby and takes over within the lock's TTL when the leader dies. A scan runs at start,
+after every watchdog hint and at least every ``rescan_seconds``. When several snapshots are
+pending only the newest is published; the older ones are recorded as skipped. Published,
+skipped and quarantined snapshots are removed from the checkpoint directory except the
+newest two. A Redis outage or a failing disk (full, read-only) is retried with exponential
+back-off: nothing is registered meanwhile, temp files are removed, ``/healthz`` says 503.
 """
 
 from __future__ import annotations
@@ -11,28 +14,38 @@ from __future__ import annotations
 import os
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import redis
 
-from publisher.converter import TMP_VERSION_PREFIX, convert
+from publisher.converter import LAYOUTS, TMP_VERSION_PREFIX, ConvertOptions, convert
 from publisher.eviction import Evictor
-from publisher.registry import QUARANTINED, SKIPPED, Registry
+from publisher.leader import LeaderLock
+from publisher.metrics import PublisherMetrics
+from publisher.registry import ALREADY_HANDLED, QUARANTINED, REGISTERED, SKIPPED, Registry
 from publisher.snapshot_reader import CorruptSnapshot, Snapshot, complete_snapshots
 from publisher.watcher import SnapshotWatcher
 from shared.config import Config, ConfigError
 from shared.durable import TRASH_PREFIX, remove_dir, sweep
 from shared.keys import Keys
-from shared.layout import LAYOUT_VLLM_FUSED
+from shared.layout import LayoutError
 from shared.logs import get_logger
+from shared.observability import Health, serve
 
 log = get_logger("publisher")
 
 KEEP_SNAPSHOTS = 2
 QUARANTINE_DIR = "quarantine"
+REASON_FILE = "REASON.txt"
+REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class NotLeader(RuntimeError):
+    """``--once`` found another publisher holding the lock."""
 
 
 class Publisher:
@@ -40,42 +53,118 @@ class Publisher:
         cfg = config.publisher
         if cfg.tp < 1:
             raise ConfigError(f"publisher.tp must be >= 1, got {cfg.tp}")
+        if cfg.layout not in LAYOUTS:
+            raise ConfigError(f"publisher.layout must be one of {', '.join(LAYOUTS)}")
+        if cfg.reader not in ("auto", "dcp-load"):
+            raise ConfigError(f"publisher.reader must be auto or dcp-load, got {cfg.reader!r}")
+        for name in ("leader_ttl_seconds", "retry_max_seconds", "rescan_seconds"):
+            if getattr(cfg, name) <= 0:
+                raise ConfigError(f"publisher.{name} must be > 0, got {getattr(cfg, name)}")
+        if cfg.keep_quarantined < 0:
+            raise ConfigError(
+                f"publisher.keep_quarantined must be >= 0, got {cfg.keep_quarantined}"
+            )
         self.cfg = cfg
+        self.options = ConvertOptions(cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader)
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
         self.keys = Keys(config.common.namespace)
-        self.redis = redis.Redis.from_url(config.common.redis_url)
+        self.redis = redis.Redis.from_url(
+            config.common.redis_url, socket_timeout=10, socket_connect_timeout=5
+        )
         self.registry = Registry(self.redis, self.keys)
         self.evictor = Evictor(self.redis, self.keys, self.weights_dir, cfg.keep)
-        self.stop_requested = False
+        self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
+        self.metrics = PublisherMetrics()
+        self.stopping = threading.Event()
+        self.failures = 0
+        self.last_error = ""
+        self.last_tick = time.monotonic()
+        self.was_leader = False
+        self.announced_standby = False
+        self._health_redis = redis.Redis.from_url(
+            config.common.redis_url, socket_timeout=1, socket_connect_timeout=1
+        )
 
     def run(self) -> None:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
-        self.clean_weights_dir()
         watcher = SnapshotWatcher(self.checkpoint_dir, poll=self.cfg.poll)
         self._install_signal_handlers(watcher)
+        server = serve(self.cfg.metrics_port, self.metrics.registry, self.health)
         watcher.start()
         log.info(
             "publisher started",
             checkpoint_dir=str(self.checkpoint_dir),
             weights_dir=str(self.weights_dir),
             tp=self.cfg.tp,
+            layout=self.cfg.layout,
+            per_rank_files=self.cfg.per_rank_files,
             keep=self.cfg.keep,
+            holder=self.lock.holder,
             observer=type(watcher.observer).__name__,
         )
+        standby_since = time.monotonic()
         try:
-            while not self.stop_requested:
-                self.scan_once()
-                if self.cfg.once:
-                    break
-                watcher.wait(self.cfg.rescan_seconds)
+            while not self.stopping.is_set():
+                delay = self.cfg.rescan_seconds
+                try:
+                    if self.ensure_leader():
+                        self.scan_once()
+                        self._succeeded()
+                        if self.cfg.once:
+                            break
+                    else:
+                        delay = min(delay, self.cfg.leader_ttl_seconds / 3)
+                        if self.cfg.once and time.monotonic() - standby_since > 2 * (
+                            self.cfg.leader_ttl_seconds
+                        ):
+                            raise NotLeader(
+                                f"another publisher ({self.lock.current_holder()}) holds the "
+                                "lock; stop it or wait for its lock to expire"
+                            )
+                except REDIS_ERRORS as exc:
+                    if self.cfg.once:
+                        raise
+                    delay = self._failed("redis", exc)
+                    log.warning("Redis unreachable; retrying", error=exc, retry_in=delay)
+                except OSError as exc:
+                    if self.cfg.once:
+                        raise
+                    delay = self._failed("disk", exc)
+                    log.error("filesystem error; retrying", error=exc, retry_in=delay)
+                self.last_tick = time.monotonic()
+                watcher.wait(delay)
         finally:
             watcher.stop()
+            self.lock.release()
+            if server is not None:
+                server.close()
         log.info("publisher stopped")
+
+    def ensure_leader(self) -> bool:
+        """Hold the publisher lock; on taking it, clean what a crashed leader left."""
+        if self.lock.held:
+            return True
+        if self.lock.try_acquire():
+            log.info("became the active publisher", holder=self.lock.holder)
+            self.was_leader, self.announced_standby = True, False
+            self.metrics.leader.set(1)
+            self.clean_weights_dir()
+            self.lock.start_renewing()
+            return True
+        if not self.announced_standby:
+            log.info("standing by: another publisher is active", holder=self.lock.current_holder())
+            self.announced_standby = True
+        self.was_leader = False
+        self.metrics.leader.set(0)
+        return False
 
     def scan_once(self) -> None:
         """One pass: publish the newest pending snapshot, then evict and prune."""
+        if not self.lock.held and not self.lock.try_acquire():
+            log.info("not the active publisher; scan skipped")
+            return
         snapshots, broken = complete_snapshots(self.checkpoint_dir)
         for path, reason in broken:
             self.quarantine(path, None, reason)
@@ -84,6 +173,7 @@ class Publisher:
         if pending:
             for older in pending[:-1]:
                 self.registry.mark(older.info.snapshot_id, SKIPPED)
+                self.metrics.skipped.inc()
                 log.info(
                     "skipped snapshot (a newer one is pending)",
                     step=older.step,
@@ -92,68 +182,113 @@ class Publisher:
             self.publish(pending[-1])
         result = self.evictor.run()
         for version in result.evicted:
+            self.metrics.evicted.inc()
             log.info("evicted version", version=version)
         for version in result.leased:
+            self.metrics.lease_waits.inc()
             log.info("eviction waits for a lease", version=version)
         self.prune_snapshots()
+        self.prune_quarantine()
 
     def publish(self, snapshot: Snapshot) -> None:
         start = time.perf_counter()
         version = self.registry.allocate_version()
         try:
-            published = convert(snapshot, self.weights_dir, version, self.cfg.tp)
+            published = convert(snapshot, self.weights_dir, version, options=self.options)
         except CorruptSnapshot as exc:
-            self.quarantine(snapshot.path, snapshot.info.snapshot_id, str(exc))
+            self.quarantine(snapshot.path, snapshot.info.snapshot_id, str(exc), snapshot.step)
             return
-        registered_at = time.time()
-        lag = registered_at - snapshot.info.created_at
+        except LayoutError as exc:
+            raise ConfigError(
+                f"publisher.tp={self.cfg.tp} cannot serve the model of {snapshot.path}: {exc}"
+            ) from None
         manifest = published.manifest
-        fields = {
+        fields: dict[str, Any] = {
             "path": str(published.path.resolve()),
             "step": snapshot.step,
-            "layout": LAYOUT_VLLM_FUSED,
+            "layout": manifest.layout,
             "tp": self.cfg.tp,
             "dtype": manifest.dtype,
             "bytes": manifest.total_bytes,
-            "created_at": registered_at,
             "manifest_sha256": published.manifest_sha256,
             "run_id": snapshot.info.run_id,
             "snapshot_id": snapshot.info.snapshot_id,
             "snapshot_created_at": snapshot.info.created_at,
+            "per_rank_files": int(manifest.per_rank_files),
         }
-        event: dict[str, Any] = {
-            "step": snapshot.step,
-            "lag_s": round(lag, 4),
-            "path": fields["path"],
-        }
-        if not self.registry.register(version, snapshot.info.snapshot_id, fields, event):
-            log.warning(
-                "snapshot was already published; dropping the duplicate",
-                version=version,
-                step=snapshot.step,
-            )
+        if manifest.hf_dir:
+            fields["hf_path"] = str((published.path / manifest.hf_dir).resolve())
+        outcome, lag = self._register(version, snapshot, fields)
+        if outcome != REGISTERED:
+            why = "already handled" if outcome == ALREADY_HANDLED else "lost the publisher lock"
+            log.warning("version not registered; removing it", version=version, reason=why)
             remove_dir(published.path)
             return
+        seconds = time.perf_counter() - start
+        self.metrics.publish_seconds.observe(seconds)
+        self.metrics.lag_seconds.observe(lag)
+        self.metrics.bytes.inc(manifest.total_bytes)
+        self.metrics.versions.labels(published.reader).inc()
+        self.metrics.latest.set(version)
         log.info(
             "published version",
             version=version,
             step=snapshot.step,
             bytes=manifest.total_bytes,
-            seconds=time.perf_counter() - start,
+            seconds=seconds,
             lag_s=lag,
+            reader=published.reader,
         )
 
-    def quarantine(self, path: Path, snapshot_id: str | None, reason: str) -> None:
-        """Move a snapshot that cannot be published aside, with its reason."""
-        target = self.checkpoint_dir / QUARANTINE_DIR / f"{path.name}-{int(time.time())}"
+    def _register(self, version: int, snapshot: Snapshot, fields: dict[str, Any]) -> tuple:
+        """Register, riding out a Redis outage; the version directory is already whole."""
+        while True:
+            registered_at = time.time()
+            lag = registered_at - snapshot.info.created_at
+            event = {
+                "step": snapshot.step,
+                "lag_s": round(lag, 4),
+                "path": fields["path"],
+                "snapshot_id": snapshot.info.snapshot_id,
+            }
+            try:
+                if not self.lock.held:
+                    self.lock.try_acquire()  # taken back if no one else took it meanwhile
+                outcome = self.registry.register(
+                    version,
+                    snapshot.info.snapshot_id,
+                    {**fields, "created_at": registered_at},
+                    event,
+                    self.lock.holder,
+                )
+                return outcome, lag
+            except REDIS_ERRORS as exc:
+                if self.stopping.is_set() or self.cfg.once:
+                    raise  # the unregistered directory is removed at the next start
+                delay = self._failed("redis", exc)
+                log.warning(
+                    "Redis unreachable while registering; retrying",
+                    version=version,
+                    error=exc,
+                    retry_in=delay,
+                )
+                self.stopping.wait(delay)
+
+    def quarantine(
+        self, path: Path, snapshot_id: str | None, reason: str, step: int | None = None
+    ) -> None:
+        """Move a snapshot that cannot be published aside, with its reason, and say so."""
+        target = self.checkpoint_dir / QUARANTINE_DIR / f"{path.name}-{int(time.time() * 1000)}"
         target.parent.mkdir(exist_ok=True)
         try:
+            (path / REASON_FILE).write_text(reason + "\n")
             os.rename(path, target)
         except FileNotFoundError:
             return
-        (target / "REASON.txt").write_text(reason + "\n")
         if snapshot_id:
             self.registry.mark(snapshot_id, QUARANTINED)
+        self.registry.record_quarantine(snapshot_id or path.name, reason, step, str(target))
+        self.metrics.quarantined.inc()
         log.error("quarantined snapshot", path=str(path), moved_to=str(target), reason=reason)
 
     def prune_snapshots(self) -> None:
@@ -164,10 +299,24 @@ class Publisher:
         for snapshot in done[:-KEEP_SNAPSHOTS]:
             remove_dir(snapshot.path)
 
+    def prune_quarantine(self) -> None:
+        """Keep the newest ``keep_quarantined`` quarantined snapshots."""
+        directory = self.checkpoint_dir / QUARANTINE_DIR
+        if not directory.is_dir():
+            return
+        entries = sorted(
+            (e for e in directory.iterdir() if not e.name.startswith(TRASH_PREFIX)),
+            key=lambda e: e.stat().st_mtime,
+        )
+        for entry in entries[: max(0, len(entries) - self.cfg.keep_quarantined)]:
+            remove_dir(entry)
+
     def clean_weights_dir(self) -> None:
         """Remove what a crash can leave: temp and trash directories, unregistered versions."""
+        self.weights_dir.mkdir(parents=True, exist_ok=True)
         removed = sweep(self.weights_dir, (TMP_VERSION_PREFIX, TRASH_PREFIX))
         sweep(self.checkpoint_dir, (TRASH_PREFIX,))
+        sweep(self.checkpoint_dir / QUARANTINE_DIR, (TRASH_PREFIX,))
         live = set(self.registry.live_versions())
         for entry in self.weights_dir.iterdir():
             match = _VERSION_DIR.match(entry.name)
@@ -177,9 +326,40 @@ class Publisher:
         if removed:
             log.info("removed leftovers of an earlier run", entries=",".join(sorted(removed)))
 
+    def health(self) -> Health:
+        """Unhealthy when Redis does not answer or the loop has not ticked for a long while."""
+        stalled = time.monotonic() - self.last_tick
+        detail: dict[str, Any] = {
+            "leader": self.lock.held,
+            "seconds_since_loop": round(stalled, 1),
+            "consecutive_failures": self.failures,
+            "last_error": self.last_error,
+        }
+        try:
+            self._health_redis.ping()
+            detail["redis"] = "ok"
+        except redis.RedisError as exc:
+            detail["redis"] = f"unreachable: {exc}"
+        limit = max(120.0, 10 * self.cfg.rescan_seconds, 4 * self.cfg.retry_max_seconds)
+        ok = detail["redis"] == "ok" and stalled < limit and self.failures == 0
+        return Health(ok, detail)
+
+    def _succeeded(self) -> None:
+        if self.failures:
+            log.info("recovered", after_failures=self.failures)
+        self.failures = 0
+        self.last_error = ""
+
+    def _failed(self, kind: str, exc: BaseException) -> float:
+        """Count a failure; the back-off before the next try."""
+        self.metrics.errors.labels(kind).inc()
+        self.failures += 1
+        self.last_error = f"{kind}: {exc}"
+        return min(self.cfg.retry_max_seconds, 0.5 * 2 ** (self.failures - 1))
+
     def _install_signal_handlers(self, watcher: SnapshotWatcher) -> None:
         def request_stop(signum: int, _frame: Any) -> None:
-            self.stop_requested = True
+            self.stopping.set()
             watcher.poke()
 
         signal.signal(signal.SIGTERM, request_stop)
@@ -187,5 +367,9 @@ class Publisher:
 
 
 def run_publisher(config: Config) -> int:
-    Publisher(config).run()
+    try:
+        Publisher(config).run()
+    except (NotLeader, OSError) as exc:
+        log.error("publisher --once gave up", reason=str(exc))
+        return 1
     return 0

@@ -1,13 +1,15 @@
 """Version numbers and registration in Redis, each one atomic.
 
-Registration is one Lua script: it refuses a snapshot already handled, then writes the
-version hash, adds it to the sorted set, raises ``latest`` (never lowers it), records the
-snapshot as published and publishes the event. Readers see all of it or none of it.
+Registration is one Lua script: it refuses when the caller no longer holds the publisher
+lock or when the snapshot was already handled, then writes the version hash, adds it to the
+sorted set, raises ``latest`` (never lowers it), records the snapshot as published and
+publishes the event. Readers see all of it or none of it.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,9 +20,16 @@ from shared.keys import Keys
 SKIPPED = "skipped"
 QUARANTINED = "quarantined"
 
+NOT_LEADER = -1
+ALREADY_HANDLED = 0
+REGISTERED = 1
+
 _REGISTER = """
-if redis.call('HEXISTS', KEYS[4], ARGV[2]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 5))
+local handled = redis.call('HGET', KEYS[4], ARGV[2])
+if handled == ARGV[1] then return 1 end
+if redis.call('GET', KEYS[5]) ~= ARGV[5] then return -1 end
+if handled then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
 redis.call('ZADD', KEYS[2], ARGV[1], ARGV[1])
 local latest = tonumber(redis.call('GET', KEYS[3]) or '0')
 if tonumber(ARGV[1]) > latest then redis.call('SET', KEYS[3], ARGV[1]) end
@@ -50,10 +59,24 @@ class Registry:
         """Record a snapshot that will not be published (skipped or quarantined)."""
         self.client.hsetnx(self.keys.snapshots, snapshot_id, outcome)
 
+    def record_quarantine(self, name: str, reason: str, step: int | None, path: str) -> None:
+        """Keep why a snapshot was quarantined where ``weightcast status`` and people can see."""
+        entry = {"reason": reason, "step": step, "path": path, "at": round(time.time(), 3)}
+        self.client.hset(self.keys.quarantine, name, json.dumps(entry))
+
     def register(
-        self, version: int, snapshot_id: str, fields: Mapping[str, Any], event: Mapping[str, Any]
-    ) -> bool:
-        """Register ``version`` atomically; False if the snapshot was already handled."""
+        self,
+        version: int,
+        snapshot_id: str,
+        fields: Mapping[str, Any],
+        event: Mapping[str, Any],
+        holder: str,
+    ) -> int:
+        """Register ``version`` atomically while ``holder`` holds the publisher lock.
+
+        Returns :data:`REGISTERED` (also when this very version was registered by an earlier
+        call whose reply was lost), :data:`ALREADY_HANDLED` or :data:`NOT_LEADER`.
+        """
         flat = [str(item) for pair in fields.items() for item in pair]
         message = json.dumps({"event": "published", "version": version, **event})
         keys = [
@@ -61,9 +84,10 @@ class Registry:
             self.keys.versions,
             self.keys.latest,
             self.keys.snapshots,
+            self.keys.publisher_leader,
         ]
-        args = [version, snapshot_id, message, self.keys.events, *flat]
-        return bool(self._register(keys=keys, args=args))
+        args = [version, snapshot_id, message, self.keys.events, holder, *flat]
+        return int(self._register(keys=keys, args=args))
 
     def live_versions(self) -> list[int]:
         return [int(v) for v in self.client.zrange(self.keys.versions, 0, -1)]

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from shared.snapshots import CONFIG_NAME, SnapshotInfo, is_complete, snapshot_step
 
@@ -56,29 +56,27 @@ def read_config(snapshot: Snapshot) -> dict[str, Any]:
         raise CorruptSnapshot(f"config.json unreadable: {exc}") from None
 
 
-def tensor_shapes(snapshot: Snapshot) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Name -> (shape, dtype) of every tensor, from DCP's ``.metadata`` alone."""
+def read_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` (its own format); damage raises :class:`CorruptSnapshot`."""
     try:
-        metadata = dcp.FileSystemReader(snapshot.path).read_metadata()
+        return dcp.FileSystemReader(path).read_metadata()
     except Exception as exc:  # DCP raises assorted errors on a damaged .metadata
-        raise CorruptSnapshot(f".metadata unreadable: {exc}") from None
-    return {
-        name: (entry.size, entry.properties.dtype)
+        raise CorruptSnapshot(f".metadata unreadable: {type(exc).__name__}: {exc}") from None
+
+
+def load_tensors(snapshot: Snapshot, metadata: Metadata | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of the snapshot as full CPU tensors, however many ranks wrote it."""
+    metadata = read_metadata(snapshot.path) if metadata is None else metadata
+    state = {
+        name: torch.empty(entry.size, dtype=entry.properties.dtype)
         for name, entry in metadata.state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata)
-    }
-
-
-def load_tensors(snapshot: Snapshot) -> dict[str, torch.Tensor]:
-    """All tensors of the snapshot as full CPU tensors, however many ranks wrote it."""
-    state = {
-        name: torch.empty(shape, dtype=dtype)
-        for name, (shape, dtype) in tensor_shapes(snapshot).items()
     }
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
             dcp.load(state, storage_reader=dcp.FileSystemReader(snapshot.path), no_dist=True)
     except Exception as exc:  # truncated or missing data files surface as various errors
-        raise CorruptSnapshot(f"tensor data unreadable: {exc}") from None
+        last = str(exc).strip().splitlines()[-1:] or [type(exc).__name__]
+        raise CorruptSnapshot(f"tensor data unreadable: {last[0]}") from None
     return state

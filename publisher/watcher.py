@@ -2,7 +2,9 @@
 
 Events only shorten the wait; the publisher rescans the directory on every wake-up and at
 least every ``rescan_seconds``, so a missed event (network filesystems, queue overflow)
-delays a publish instead of losing it.
+delays a publish instead of losing it. When the kernel's inotify queue overflows, watchdog
+only logs it (no event reaches handlers); the watcher listens for that log record and wakes
+the loop for a rescan at once.
 """
 
 from __future__ import annotations
@@ -26,6 +28,21 @@ class _DropShutdownRace(logging.Filter):
 
 
 logging.getLogger("watchdog.observers.inotify").addFilter(_DropShutdownRace())
+_INOTIFY_LOG = logging.getLogger("watchdog.observers.inotify_c")
+
+
+class _WakeOnOverflow(logging.Handler):
+    """watchdog reports lost inotify events only as a log record: treat it as a hint."""
+
+    def __init__(self, wake: threading.Event) -> None:
+        super().__init__(logging.WARNING)
+        self.wake = wake
+        self.overflows = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "overflow" in record.getMessage().lower():
+            self.overflows += 1
+            self.wake.set()
 
 
 class _Hint(FileSystemEventHandler):
@@ -46,11 +63,14 @@ class SnapshotWatcher:
         self.wake = threading.Event()
         self.observer = PollingObserver(timeout=1.0) if poll else Observer()
         self.observer.schedule(_Hint(self.wake), str(directory), recursive=False)
+        self.overflow = _WakeOnOverflow(self.wake)
 
     def start(self) -> None:
+        _INOTIFY_LOG.addHandler(self.overflow)
         self.observer.start()
 
     def stop(self) -> None:
+        _INOTIFY_LOG.removeHandler(self.overflow)
         self.observer.stop()
         self.observer.join(timeout=5)
 

@@ -130,6 +130,32 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(
         publisher, "publisher.metrics_port", "--metrics-port", help="/metrics and /healthz port"
     )
+    add_flag(publisher, "publisher.layout", "--layout", help="vllm-fused, hf or both")
+    add_flag(
+        publisher,
+        "publisher.per_rank_files",
+        "--per-rank-files",
+        help="one file per tp rank holding only that rank's parameters",
+    )
+    add_flag(publisher, "publisher.reader", "--reader", help="auto (byte ranges) or dcp-load")
+    add_flag(
+        publisher,
+        "publisher.leader_ttl_seconds",
+        "--leader-ttl-seconds",
+        help="publisher lock TTL (standby takeover time)",
+    )
+    add_flag(
+        publisher,
+        "publisher.retry_max_seconds",
+        "--retry-max-seconds",
+        help="longest back-off after a Redis or disk failure",
+    )
+    add_flag(
+        publisher,
+        "publisher.keep_quarantined",
+        "--keep-quarantined",
+        help="quarantined snapshots kept on disk",
+    )
 
     produce = commands["produce"]
     add_flag(produce, "produce.count", "--count", help="batches to push")

@@ -89,6 +89,18 @@ class PublisherConfig:
     """Publish what is complete at start, then exit (for scripts and tests)."""
     metrics_port: int = 0
     """Serve Prometheus ``/metrics`` and ``/healthz`` on this port; 0 keeps it off."""
+    layout: str = "vllm-fused"
+    """``vllm-fused``, ``hf`` (plain HF shards + index) or ``both`` (HF in ``v<N>/hf/``)."""
+    per_rank_files: bool = False
+    """With tp > 1, one safetensors file per rank holding exactly that rank's parameters."""
+    reader: str = "auto"
+    """``auto``: copy byte ranges out of DCP files when possible; ``dcp-load``: always load."""
+    leader_ttl_seconds: float = 10.0
+    """TTL of the publisher lock; a standby takes over within it when the leader dies."""
+    retry_max_seconds: float = 30.0
+    """Longest back-off between retries after a Redis outage or a full disk."""
+    keep_quarantined: int = 5
+    """Quarantined snapshots kept on disk (newest first); older ones are deleted."""
 
 
 @dataclass

@@ -13,8 +13,13 @@ TRASH_PREFIX = ".trash-"
 
 def write_json(path: Path, data: object) -> None:
     """Write JSON and fsync it, so that a later rename publishes durable bytes."""
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
+    write_bytes(path, json.dumps(data, indent=1, sort_keys=True).encode())
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` and fsync it, so that a later rename publishes durable bytes."""
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

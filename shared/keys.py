@@ -64,8 +64,18 @@ class Keys:
 
     @property
     def snapshots(self) -> str:
-        """Hash snapshot id -> version number, or ``skipped``: each snapshot is handled once."""
+        """Hash snapshot id -> version number, ``skipped`` or ``quarantined``: handled once."""
         return f"{self.tag}:weights:snapshots"
+
+    @property
+    def quarantine(self) -> str:
+        """Hash snapshot id (or directory name) -> JSON ``{"reason", "step", "path", "at"}``."""
+        return f"{self.tag}:weights:quarantine"
+
+    @property
+    def publisher_leader(self) -> str:
+        """String holding the active publisher's id, with a TTL it renews (``SET NX PX``)."""
+        return f"{self.tag}:publisher:leader"
 
     @property
     def nodes(self) -> str:

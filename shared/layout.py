@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 LAYOUT_VLLM_FUSED = "vllm-fused"
+LAYOUT_HF = "hf"
 
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.q_proj\.(weight|bias)$")
 _GATE = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_proj\.(weight|bias)$")
@@ -128,6 +129,57 @@ def check_tp(shape: ModelShape, tp: int) -> None:
         raise LayoutError(
             f"tp={tp} does not divide intermediate_size {shape.intermediate_size}; vLLM refuses it"
         )
+
+
+def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
+    """The shape a Qwen3 tensor named ``name`` must have, or None for names not known here."""
+    h, d, q, kv, inter = (
+        shape.hidden_size,
+        shape.head_dim,
+        shape.q_rows,
+        shape.kv_rows,
+        shape.intermediate_size,
+    )
+    if name in _VOCAB:
+        return (shape.vocab_size, h)
+    if name == "model.norm.weight":
+        return (h,)
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    if m is None:
+        return None
+    if int(m.group(1)) >= shape.num_layers:
+        return (-1,)  # a layer the config does not have
+    known = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    return known.get(m.group(2))
+
+
+def check_shapes(shapes: Mapping[str, Sequence[int]], shape: ModelShape) -> None:
+    """Raise :class:`LayoutError` naming the first tensor whose shape the config contradicts."""
+    for name, size in shapes.items():
+        expected = expected_shape(name, shape)
+        if expected == (-1,):
+            raise LayoutError(f"{name}: the config has only {shape.num_layers} layers")
+        if expected is not None and tuple(size) != expected:
+            raise LayoutError(f"{name} has shape {list(size)}; the config implies {list(expected)}")
+    if "model.embed_tokens.weight" not in shapes:
+        raise LayoutError("model.embed_tokens.weight is missing from the snapshot")
+    if not shape.tie_word_embeddings and "lm_head.weight" not in shapes:
+        raise LayoutError("lm_head.weight is missing and the config does not tie it")
 
 
 def kv_head_of_rank(shape: ModelShape, tp: int, rank: int) -> tuple[int, int]:

@@ -58,6 +58,8 @@ class Manifest:
     tensors: list[TensorEntry] = field(default_factory=list)
     per_rank_files: bool = False
     """True when each tp rank's parameters are in a file of their own (``rank`` entries)."""
+    hf_dir: str | None = None
+    """Set when the version also holds the plain HF layout in this subdirectory (``hf``)."""
     format: str = MANIFEST_FORMAT
 
     @property
@@ -113,5 +115,7 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
 
 
 def _check_file_name(name: str) -> None:
-    if not name or "/" in name or "\\" in name or name in (".", ".."):
+    """A file name, or ``<subdir>/<name>`` for the ``hf`` subdirectory; nothing that escapes."""
+    parts = name.split("/")
+    if len(parts) > 2 or "\\" in name or any(not part or part in (".", "..") for part in parts):
         raise ManifestError(f"manifest names an unsafe file {name!r}")

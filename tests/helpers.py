@@ -276,3 +276,78 @@ def run_torchrun_trainer(
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
     command += ["--master_port", str(free_port()), "-m", "trainer", *args]
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+_SHARDED_SAVE = """
+import sys
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+dist.init_process_group("gloo")
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in load_file(sys.argv[1]).items()}
+dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[2]))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def write_sharded_snapshot(
+    checkpoint_dir: Path, step: int, shape: ModelShape, state: dict[str, torch.Tensor], ranks: int
+) -> Path:
+    """A snapshot written by ``ranks`` gloo processes, every tensor sharded along dim 0 (FSDP)."""
+    from safetensors.torch import save_file
+
+    from shared.redis_server import free_port
+
+    path = checkpoint_dir / snapshot_name(step)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    source = checkpoint_dir / f"state-{step}.safetensors"
+    save_file(state, str(source))
+    for _attempt in range(3):  # gloo start-up sometimes aborts on a loaded 2-core machine
+        shutil.rmtree(path, ignore_errors=True)
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node",
+                str(ranks),
+                "--master_port",
+                str(free_port()),
+                "--no-python",
+                sys.executable,
+                "-c",
+                _SHARDED_SAVE,
+                str(source),
+                str(path),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if result.returncode == 0:
+            break
+    assert result.returncode == 0, result.stderr[-3000:]
+    source.unlink()
+    (path / "config.json").write_text(json.dumps(hf_config(shape)))
+    SnapshotInfo(uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test").write(path)
+    return path
+
+
+def publish_snapshot(
+    checkpoint_dir: Path, step: int, shape: ModelShape, state: dict[str, torch.Tensor] | None = None
+) -> Path:
+    """Write a snapshot aside and rename it into ``checkpoint_dir``, as the trainer does, so a
+    running publisher never sees it half-written."""
+    staging = checkpoint_dir.parent / f"staging-{uuid.uuid4().hex[:8]}"
+    written = write_snapshot(staging, step, shape, state)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_dir / written.name
+    os.rename(written, final)
+    staging.rmdir()
+    return final
