@@ -1,8 +1,9 @@
 """``weightcast status``: one read of the deployment's state, as a table or as JSON.
 
 Latest version and its age, live versions with their leases, inference nodes with the
-version each runs (stale ones marked), the trainer's heartbeat (every field it writes, so
-new fields show up without a change here) and the batch stream's depths.
+version each runs (stale ones marked), the active publisher and the snapshots it quarantined,
+the trainer's heartbeat (every field it writes, so new fields show up without a change here)
+and the batch stream's depths.
 """
 
 from __future__ import annotations
@@ -78,9 +79,28 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
         "latest_age_s": latest_info["age_s"] if latest_info else None,
         "versions": versions,
         "nodes": nodes,
+        "publisher": _publisher_status(client, keys, now),
         "trainer": heartbeat,
         "stream": _stream_status(client, keys),
     }
+
+
+def _publisher_status(client: redis.Redis, keys: Keys, now: float) -> dict[str, Any]:
+    """The leader lock's holder and every quarantined snapshot with its reason, newest first."""
+    leader = client.get(keys.publisher_leader)
+    quarantined = []
+    for name, value in client.hgetall(keys.quarantine).items():
+        entry = json.loads(value)
+        quarantined.append(
+            {
+                "snapshot": name.decode(),
+                "step": entry.get("step"),
+                "reason": entry.get("reason", ""),
+                "age_s": round(now - float(entry.get("at", now)), 1),
+            }
+        )
+    quarantined.sort(key=lambda q: q["age_s"])
+    return {"leader": leader.decode() if leader else None, "quarantined": quarantined}
 
 
 def _stream_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
@@ -122,6 +142,10 @@ def format_status(status: dict[str, Any]) -> str:
         lines.append(f"  {node}: v{n['version']} (reported {n['age_s']}s ago{behind}){stale}")
     if not status["nodes"]:
         lines.append("  (none)")
+    publisher = status["publisher"]
+    lines += ["", f"publisher: leader {publisher['leader'] or '- (none holds the lock)'}"]
+    for q in publisher["quarantined"]:
+        lines.append(f"  quarantined {q['snapshot']} ({q['age_s']}s ago): {q['reason']}")
     lines += ["", "trainer: " + _format_heartbeat(status["trainer"])]
     s = status["stream"]
     lines.append(

@@ -87,6 +87,10 @@ def test_daemons_share_the_directories_the_design_says(compose: dict) -> None:
         == services["publisher"]["environment"]["WEIGHTCAST_WEIGHTS_DIR"]
     )
     assert "weights" not in mounts("trainer")
+    # Resume checkpoints outlive the container, under a stable consumer name (the host name).
+    trainer = services["trainer"]
+    assert mounts("trainer")["resume"] == trainer["environment"]["WEIGHTCAST_TRAINER_RESUME_DIR"]
+    assert trainer["hostname"] == "trainer"
 
 
 def parse_command(service: dict):

@@ -16,7 +16,7 @@ from shared.producer import BatchProducer
 from shared.redis_server import RedisServer
 from shared.status import CLEAR
 
-from helpers import REPO, Deployment, run_weightcast, weightcast
+from helpers import REPO, SMALL_GQA, Deployment, run_weightcast, weightcast, write_snapshot
 
 
 def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
@@ -29,6 +29,10 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
     deployment = Deployment(client, keys, tmp_path, redis_server.url)
     for _ in range(3):
         deployment.publish()  # keep-last-two: v1 is evicted
+    broken = write_snapshot(tmp_path / "checkpoints", 9, SMALL_GQA)
+    (broken / ".metadata").write_bytes(b"not a checkpoint")
+    deployment.publisher.scan_once()  # quarantined, with its reason in Redis
+    client.set(keys.publisher_leader, "publisher-host-1", px=10_000)
     reader = deployment.reader("node-fresh")
     reader.report_loaded(3)
     now = time.time()
@@ -66,6 +70,11 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
     assert nodes["node-silent"]["stale"].startswith("no report for 5")
     assert nodes["node-silent"]["behind"] == 1
     assert nodes["node-evicted"]["stale"] == "v1 was evicted"
+    assert view["publisher"]["leader"] == "publisher-host-1"
+    (quarantined,) = view["publisher"]["quarantined"]
+    assert quarantined["step"] == 9 and ".metadata" in quarantined["reason"]
+    assert "publisher: leader publisher-host-1" in table
+    assert f"quarantined {quarantined['snapshot']} (" in table
     assert view["trainer"]["step"] == "7" and view["trainer"]["custom_field"] == "42"
     assert view["stream"] == {"length": 2, "pending": 0, "undelivered": 2, "dead_letters": 0}
     assert "latest version: 3 (" in table
