@@ -9,6 +9,7 @@ and the batch stream's depths.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -179,7 +180,10 @@ def watch(
     as_json: bool,
     out: TextIO = sys.stdout,
 ) -> int:
-    """Redraw the status every ``every`` seconds until Ctrl-C (JSON: one line per read)."""
+    """Redraw the status every ``every`` seconds until Ctrl-C (JSON: one line per read).
+
+    A reader that goes away (``status --watch --json | head``) ends it quietly too.
+    """
     try:
         while True:
             status = read()
@@ -193,6 +197,10 @@ def watch(
             out.flush()
             time.sleep(every)
     except KeyboardInterrupt:
+        return 0
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), out.fileno())
         return 0
 
 

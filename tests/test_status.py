@@ -102,6 +102,23 @@ def test_watch_redraws_in_place_until_interrupted(cli_env: dict[str, str]) -> No
             assert line, "status --watch stopped by itself"
             seen += line
         watcher.send_signal(signal.SIGINT)
-        assert watcher.wait(timeout=30) == 0
+        watcher.communicate(timeout=30)  # drain stdout: a full pipe would block its last write
+        assert watcher.returncode == 0
         if extra:
             assert all(json.loads(line)["latest"] == 0 for line in seen.splitlines())
+
+
+def test_watch_ends_quietly_when_its_reader_goes_away(cli_env: dict[str, str]) -> None:
+    """``weightcast status --watch --json | head -1`` must not end in a traceback."""
+    watcher = subprocess.Popen(
+        weightcast("status", "--watch", "0.05", "--json"),
+        env=cli_env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert json.loads(watcher.stdout.readline())["latest"] == 0
+    watcher.stdout.close()  # the reader leaves; the next writes hit a closed pipe
+    assert watcher.wait(timeout=60) == 0
+    assert "Traceback" not in watcher.stderr.read()
