@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -184,6 +185,10 @@ def watch(
 
     A reader that goes away (``status --watch --json | head``) ends it quietly too.
     """
+    # Python leaves SIGINT ignored when started from a background job; Ctrl-C and SIGTERM
+    # must stop a watch whatever the parent did.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.default_int_handler)
     try:
         while True:
             status = read()
