@@ -64,7 +64,6 @@ class Progress:
 
     published: list[dict] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
-    trainer_started: bool = False
     step: int = 0
     follower_version: int = 0
     rewards: dict[int, list[float]] = field(default_factory=dict)
@@ -188,9 +187,7 @@ class Stack:
                 progress.published.append(event)
             elif event["event"] == "evicted":
                 progress.evicted.append(event["version"])
-        step = self.redis.hget(self.keys.trainer_heartbeat, "step")
-        progress.trainer_started = step is not None
-        progress.step = int(step or 0)
+        progress.step = int(self.redis.hget(self.keys.trainer_heartbeat, "step") or 0)
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
         progress.follower_version = json.loads(node)["version"] if node else 0
         for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
