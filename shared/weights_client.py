@@ -177,12 +177,13 @@ class WeightsClient:
     def load(self, version: int | VersionInfo) -> dict[str, torch.Tensor]:
         """Every tensor of a verified version (whole tensors; per-rank files are refused)."""
         info = self._resolve(version)
-        if self.manifest(info).per_rank_files:
+        manifest = self.manifest(info)
+        if manifest.per_rank_files:
             raise WeightsError(
                 f"version {info.version} is split into per-rank files; "
                 "read it with tensors_for_rank"
             )
-        manifest = self.open(info)
+        self._verify(info, manifest, [f.name for f in manifest.files])
         tensors: dict[str, torch.Tensor] = {}
         for name in sorted({t.file for t in manifest.tensors}):
             tensors.update(load_file(str(info.path / name)))
