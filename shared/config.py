@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import socket
 import tomllib
 import typing
 from collections.abc import Mapping
@@ -286,3 +287,8 @@ def _coerce(value: Any, kind: type, source: str) -> Any:
         return kind(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def default_node_id() -> str:
+    """``<hostname>-<pid>``: what names this process when no node id or producer name is set."""
+    return f"{socket.gethostname()}-{os.getpid()}"

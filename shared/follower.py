@@ -8,9 +8,7 @@ trainer (see :mod:`shared.rollout`), keeping at most ``rollout.max_pending`` of 
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import time
 from typing import Any
 
@@ -82,11 +80,10 @@ class Node:
 
 def run_follow(config: Config) -> int:
     cfg = config.follow
-    node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
     client = WeightsClient(
         config.common.redis_url,
         config.common.namespace,
-        node_id,
+        cfg.node_id,
         config.common.weights_dir,
         lease_seconds=cfg.lease_seconds,
     )
@@ -98,10 +95,10 @@ def run_follow(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    log.info("following", node_id=node_id, weights_dir=str(config.common.weights_dir))
+    log.info("following", node_id=client.node_id, weights_dir=str(config.common.weights_dir))
     node = Node(client, want_model=cfg.rollout, report_every=cfg.poll_seconds)
     if cfg.rollout:
-        return _run_rollout(config, node, node_id, lambda: stopping)
+        return _run_rollout(config, node, lambda: stopping)
     while not stopping:
         version = client.wait_for_newer(node.seen, timeout=cfg.poll_seconds, poll=cfg.poll_seconds)
         if version is None:
@@ -113,13 +110,13 @@ def run_follow(config: Config) -> int:
     return 0
 
 
-def _run_rollout(config: Config, node: Node, node_id: str, stopping: Any) -> int:
+def _run_rollout(config: Config, node: Node, stopping: Any) -> int:
     """Load each new version and keep the trainer fed with rollouts from the newest one."""
     cfg = config.rollout
     producer = BatchProducer(
         config.common.redis_url,
         config.common.namespace,
-        name=node_id,
+        name=node.client.node_id,
         max_pending=cfg.max_pending,
         timeout=cfg.timeout,
     )

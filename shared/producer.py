@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,7 +21,7 @@ import redis.asyncio
 import torch
 
 from shared.codec import BATCH_FIELD, META_FIELD, BatchLimits, encode_batch
-from shared.config import Config
+from shared.config import Config, default_node_id
 from shared.keys import TRAINER_GROUP, Keys
 from shared.logs import get_logger
 from shared.streams import ensure_group
@@ -43,10 +41,6 @@ NO_LIMITS = BatchLimits()
 
 class BackPressureTimeout(TimeoutError):
     """The trainer did not take batches fast enough for ``push`` to add one in time."""
-
-
-def _default_name() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _trainer_group(groups: Sequence[Mapping[str, Any]]) -> tuple[int | None, str] | None:
@@ -84,7 +78,7 @@ class _ProducerBase:
         if max_pending < 0:
             raise ValueError(f"max_pending must be >= 0 (0 = unbounded), got {max_pending}")
         self.keys = Keys(namespace)
-        self.name = name or _default_name()
+        self.name = name or default_node_id()
         self.max_pending = max_pending
         self.timeout = timeout
         self.limits = limits

@@ -18,8 +18,6 @@ vLLM is imported lazily: nothing here needs it until it runs inside a vLLM worke
 
 from __future__ import annotations
 
-import os
-import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shared.config import default_node_id
 from shared.weights_client import FUSED_KINDS, WeightsClient, WeightsError
 
 
@@ -126,7 +125,7 @@ class WeightcastWorkerExtension:
     ) -> int:
         """Lease, verify and load ``version`` into this worker's rank; the tensors loaded."""
         tp_rank, tp_size = self.weightcast_tp()
-        name = node_id or f"{socket.gethostname()}-{os.getpid()}"
+        name = node_id or default_node_id()
         client = WeightsClient(
             redis_url,
             namespace,

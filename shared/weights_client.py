@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from shared.config import load_config
+from shared.config import default_node_id, load_config
 from shared.keys import Keys
 from shared.layout import LayoutError, RankSlice, rank_slice
 from shared.logs import get_logger
@@ -110,7 +108,7 @@ class WeightsClient:
     ) -> None:
         self.redis = redis.Redis.from_url(redis_url)
         self.keys = Keys(namespace)
-        self.node_id = node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.node_id = node_id or default_node_id()
         root = load_config().common.weights_dir if weights_root is None else weights_root
         self.weights_root = Path(root).resolve()
         self.lease_ms = int(lease_seconds * 1000)
