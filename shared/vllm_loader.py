@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from shared.config import default_node_id
-from shared.weights_client import FUSED_KINDS, WeightsClient, WeightsError
+from shared.weights_client import FUSED_KINDS, VersionInfo, WeightsClient, WeightsError
 
 
 class LoaderError(ValueError):
@@ -59,7 +59,11 @@ def copy_rank_part(param: torch.Tensor, part: torch.Tensor) -> None:
 
 
 def load_version(
-    model: nn.Module, client: WeightsClient, version: int, tp_rank: int, tp_size: int
+    model: nn.Module,
+    client: WeightsClient,
+    version: int | VersionInfo,
+    tp_rank: int,
+    tp_size: int,
 ) -> list[str]:
     """Load ``version`` into ``model`` (one tensor-parallel rank of a vLLM model).
 
@@ -67,19 +71,19 @@ def load_version(
     whole through ``param.weight_loader`` (per-rank files: copied, already sliced). Returns
     the parameter names loaded; raises :class:`LoaderError` when the version and the engine
     do not match (a missing parameter, a shape, a tp the version was not fused for).
+    ``version`` may be the :class:`VersionInfo` a lease returned (no registry read then).
     """
+    info = version if isinstance(version, VersionInfo) else client.info(version)
     params = dict(model.named_parameters())
-    manifest = client.manifest(version)
+    manifest = client.manifest(info)
     shards = {entry.name: entry.shard for entry in manifest.tensors}
     per_rank = manifest.per_rank_files
     fallback = _default_weight_loader()
     loaded: list[str] = []
-    for name, tensor in client.tensors_for_rank(
-        version, tp_rank, tp_size, whole_unfused=not per_rank
-    ):
+    for name, tensor in client.tensors_for_rank(info, tp_rank, tp_size, whole_unfused=not per_rank):
         param = params.get(name)
         if param is None:
-            raise LoaderError(f"the engine has no parameter {name!r} (version {version})")
+            raise LoaderError(f"the engine has no parameter {name!r} (version {info.version})")
         if shards[name].get("kind") in FUSED_KINDS:
             if param.shape != tensor.shape:
                 raise LoaderError(
@@ -94,7 +98,9 @@ def load_version(
         loaded.append(name)
     missing = sorted(set(params) - set(loaded))
     if missing:
-        raise LoaderError(f"version {version} has no tensor for the engine's parameters {missing}")
+        raise LoaderError(
+            f"version {info.version} has no tensor for the engine's parameters {missing}"
+        )
     return loaded
 
 
@@ -132,8 +138,8 @@ class WeightcastWorkerExtension:
             f"{name}-tp{tp_rank}",
             None if weights_root is None else Path(weights_root),
         )
-        with client.lease(version):
-            return len(load_version(self.model_runner.model, client, version, tp_rank, tp_size))
+        with client.lease(version) as info:
+            return len(load_version(self.model_runner.model, client, info, tp_rank, tp_size))
 
 
 def update_engine(
