@@ -299,10 +299,6 @@ def write_sharded_snapshot(
     checkpoint_dir: Path, step: int, shape: ModelShape, state: dict[str, torch.Tensor], ranks: int
 ) -> Path:
     """A snapshot written by ``ranks`` gloo processes, every tensor sharded along dim 0 (FSDP)."""
-    from safetensors.torch import save_file
-
-    from shared.redis_server import free_port
-
     path = checkpoint_dir / snapshot_name(step)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     source = checkpoint_dir / f"state-{step}.safetensors"
