@@ -269,12 +269,17 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, every: 
     return result
 
 
+def torchrun(nproc: int, *args: str) -> list[str]:
+    """argv of ``torchrun --nproc_per_node <nproc> <args>`` on a free master port."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    return [*command, "--master_port", str(free_port()), *args]
+
+
 def run_torchrun_trainer(
     env: dict[str, str], nproc: int, *args: str
 ) -> subprocess.CompletedProcess[str]:
     """``torchrun --nproc_per_node <nproc> -m trainer <args>`` on a free master port."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    command += ["--master_port", str(free_port()), "-m", "trainer", *args]
+    command = torchrun(nproc, "-m", "trainer", *args)
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -306,21 +311,9 @@ def write_sharded_snapshot(
     for _attempt in range(3):  # gloo start-up sometimes aborts on a loaded 2-core machine
         shutil.rmtree(path, ignore_errors=True)
         result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc_per_node",
-                str(ranks),
-                "--master_port",
-                str(free_port()),
-                "--no-python",
-                sys.executable,
-                "-c",
-                _SHARDED_SAVE,
-                str(source),
-                str(path),
-            ],
+            torchrun(
+                ranks, "--no-python", sys.executable, "-c", _SHARDED_SAVE, str(source), str(path)
+            ),
             cwd=REPO,
             capture_output=True,
             text=True,
