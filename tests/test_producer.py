@@ -12,7 +12,7 @@ from safetensors.torch import save as save_safetensors
 
 from shared.codec import BATCH_FIELD, META_FIELD, BatchLimits, InvalidBatch
 from shared.keys import TRAINER_GROUP, Keys
-from shared.producer import AsyncBatchProducer, BackPressureTimeout, BatchProducer
+from shared.producer import AsyncBatchProducer, BackPressureTimeout, BatchProducer, synthetic_batch
 from shared.redis_server import RedisServer
 from trainer.batch_source import BatchSource, SourceSettings
 
@@ -20,14 +20,9 @@ LIMITS = BatchLimits(vocab_size=1024, max_seq_len=16)
 
 
 def good_batch(seed: int = 0) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.zeros(2, 8, dtype=torch.bool)
-    mask[:, 4:] = True
-    return {
-        "input_ids": torch.randint(0, 1024, (2, 8), generator=gen),
-        "loss_mask": mask,
-        "advantages": torch.randn(2, generator=gen),
-    }
+    """Two sequences of 8 tokens, the second half trained."""
+    generator = torch.Generator().manual_seed(seed)
+    return synthetic_batch(generator, batch_size=2, seq_len=8, vocab_size=1024)
 
 
 def trainer_source(client: redis.Redis, keys: Keys) -> BatchSource:
