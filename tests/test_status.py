@@ -9,14 +9,20 @@ import time
 from pathlib import Path
 
 import redis
-import torch
 
 from shared.keys import Keys
-from shared.producer import BatchProducer
 from shared.redis_server import RedisServer
 from shared.status import CLEAR
 
-from helpers import REPO, SMALL_GQA, Deployment, run_weightcast, weightcast, write_snapshot
+from helpers import (
+    REPO,
+    SMALL_GQA,
+    Deployment,
+    push_batches,
+    run_weightcast,
+    weightcast,
+    write_snapshot,
+)
 
 
 def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
@@ -49,14 +55,7 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
             "custom_field": 42,
         },
     )
-    producer = BatchProducer(redis_server.url, keys.namespace)
-    batch = {
-        "input_ids": torch.tensor([[1, 2, 3]]),
-        "loss_mask": torch.tensor([[0, 1, 1]], dtype=torch.bool),
-        "advantages": torch.tensor([1.0]),
-    }
-    producer.push(batch, 3)
-    producer.push(batch, 3)
+    push_batches(redis_server.url, keys, 2, policy_version=3)
     with reader.lease(2):
         view = json.loads(
             run_weightcast(cli_env, "status", "--json", "--stale-seconds", "30").stdout
