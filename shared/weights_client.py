@@ -232,8 +232,9 @@ class WeightsClient:
             entries = list(manifest.tensors)
             for entry in entries:  # refuse a wrong tp before reading anything
                 rank_slice(entry.shard, entry.shape, tp_rank, tp_size)
-        self._verify(info, manifest, sorted({e.file for e in entries}))
-        for file in sorted({e.file for e in entries}):
+        files = sorted({e.file for e in entries})
+        self._verify(info, manifest, files)
+        for file in files:
             with safe_open(str(info.path / file), framework="pt") as reader:
                 for entry in (e for e in entries if e.file == file):
                     try:
