@@ -128,10 +128,7 @@ def _run_rollout(config: Config, node: Node, stopping: Any) -> int:
     def push(rollout: Rollout, version: int) -> str:
         return producer.push(rollout.tensors, version, reward=rollout.reward)
 
-    def has_room() -> bool:
-        return not cfg.max_pending or producer.undelivered() < cfg.max_pending
-
-    loop = RolloutLoop(cfg, refresh, has_room, push)
+    loop = RolloutLoop(cfg, refresh, producer.has_room, push)
     log.info("producing rollouts", max_pending=cfg.max_pending, group_size=cfg.group_size)
     idle_since = time.monotonic()
     while not stopping():

@@ -135,6 +135,10 @@ class BatchProducer(_ProducerBase):
             return lag
         return int(self._count_after(keys=[self.keys.batches], args=[last, self.max_pending + 1]))
 
+    def has_room(self) -> bool:
+        """Whether a push would go through without waiting."""
+        return not self.max_pending or self.undelivered() < self.max_pending
+
     def wait_for_room(self) -> None:
         """Block until fewer than ``max_pending`` entries are undelivered, or time out."""
         if not self.max_pending:
