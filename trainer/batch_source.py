@@ -146,7 +146,7 @@ class BatchSource:
         except InvalidBatch as exc:
             self._dead_letter(entry_id, fields, exc.reason)
             return None
-        lag = self.policy_lag(batch)
+        lag = self.policy_lag(batch.policy_version)
         if 0 <= self.settings.max_policy_lag < lag:
             self.ack([entry_id])
             self.stale_dropped += 1
@@ -160,10 +160,10 @@ class BatchSource:
             return None
         return StreamBatch(entry_id, batch)
 
-    def policy_lag(self, batch: RolloutBatch) -> int:
-        """Latest published version minus the batch's ``policy_version`` (read now)."""
+    def policy_lag(self, policy_version: int) -> int:
+        """Latest published version (read now) minus ``policy_version``."""
         self.latest = int(self.client.get(self.keys.latest) or 0)
-        return self.latest - batch.policy_version
+        return self.latest - policy_version
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         """Acknowledge ``entry_ids`` and the re-delivered entries found already applied."""

@@ -295,7 +295,7 @@ class Trainer(ForgeEngine):
             if state.step % self.cfg.publish_every == 0:
                 self._publish(wait=False)
         seconds = time.perf_counter() - start
-        lag = max(self.batches.policy_lag(item.batch) for item in items)
+        lag = self.batches.policy_lag(min(item.batch.policy_version for item in items))
         tokens = metrics.pop("tokens")
         self.telemetry.update(
             step=state.step,
