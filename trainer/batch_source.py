@@ -94,7 +94,7 @@ class BatchSource:
             entries = reply[0][1] if reply else []
             if not entries:
                 break
-            self._admit([(i.decode(), f) for i, f in entries])
+            self._admit(entries)
             start = entries[-1][0].decode()
         log.info("recovered pending entries", consumer=self.consumer, queued=len(self.backlog))
         self.claim()
@@ -115,7 +115,7 @@ class BatchSource:
             if entries:
                 self.claimed += len(entries)
                 log.info("claimed idle entries", count=len(entries), consumer=self.consumer)
-                self._admit([(i.decode(), f) for i, f in entries])
+                self._admit(entries)
             if deleted:
                 log.warning("claimed entries that were deleted from the stream", ids=deleted)
             if start in (b"0-0", "0-0"):
@@ -137,7 +137,7 @@ class BatchSource:
             )
             if not reply:
                 return None
-            self._admit([(i.decode(), f) for i, f in reply[0][1]], fresh=True)
+            self._admit(reply[0][1], fresh=True)
         if not self.backlog:
             return None
         entry_id, fields = self.backlog.popleft()
@@ -146,7 +146,7 @@ class BatchSource:
         except InvalidBatch as exc:
             self._dead_letter(entry_id, fields, exc.reason)
             return None
-        lag = self.policy_lag(batch)
+        lag = self.policy_lag(batch.policy_version)
         if 0 <= self.settings.max_policy_lag < lag:
             self.ack([entry_id])
             self.stale_dropped += 1
@@ -160,10 +160,10 @@ class BatchSource:
             return None
         return StreamBatch(entry_id, batch)
 
-    def policy_lag(self, batch: RolloutBatch) -> int:
-        """Latest published version minus the batch's ``policy_version`` (read now)."""
+    def policy_lag(self, policy_version: int) -> int:
+        """Latest published version (read now) minus ``policy_version``."""
         self.latest = int(self.client.get(self.keys.latest) or 0)
-        return self.latest - batch.policy_version
+        return self.latest - policy_version
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         """Acknowledge ``entry_ids`` and the re-delivered entries found already applied."""
@@ -173,13 +173,14 @@ class BatchSource:
         if ids:
             self.client.xack(self.keys.batches, TRAINER_GROUP, *ids)
 
-    def _admit(self, entries: list[tuple[str, Fields]], fresh: bool = False) -> None:
-        """Sort entries: already applied, delivered too often, or to train.
+    def _admit(self, entries: list[tuple[bytes, Fields]], fresh: bool = False) -> None:
+        """Sort entries as Redis returns them: already applied, delivered too often, or to train.
 
         ``fresh`` entries were never delivered before, so they need no delivery count.
         """
-        deliveries = {} if fresh else self._deliveries([entry_id for entry_id, _ in entries])
-        for entry_id, fields in entries:
+        decoded = [(raw_id.decode(), fields) for raw_id, fields in entries]
+        deliveries = {} if fresh else self._deliveries([entry_id for entry_id, _ in decoded])
+        for entry_id, fields in decoded:
             if entry_id in self.held:
                 continue
             if not fields:  # deleted from the stream (XTRIM/XDEL) while pending

@@ -10,8 +10,7 @@ duplicate in the log would be a batch trained twice.
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from shared.durable import fsync_path, remove_dir
+from shared.snapshots import DCP_METADATA, snapshot_step
 
 STATE_KEY = "train_state"
 """Name ForgeEngine gives the train state in the checkpoint (keys ``train_state.<name>``)."""
 
 RUN_ID_BYTES = 64
-_CHECKPOINT = re.compile(r"^step-(\d+)$")
-_DCP_METADATA = ".metadata"
 
 
 def encode_ids(entry_ids: Iterable[str]) -> torch.Tensor:
@@ -103,26 +101,27 @@ class TrainState(Stateful):
 
 def newest_checkpoint(folder: Path) -> tuple[int, Path] | None:
     """The complete checkpoint with the highest step (DCP's ``.metadata`` marks it whole)."""
-    found = []
-    if folder.is_dir():
-        for entry in os.scandir(folder):
-            match = _CHECKPOINT.match(entry.name)
-            if match and os.path.isfile(os.path.join(entry.path, _DCP_METADATA)):
-                found.append((int(match.group(1)), Path(entry.path)))
+    found = [(step, path) for step, path, complete in _checkpoints(folder) if complete]
     return max(found) if found else None
 
 
 def remove_partial(folder: Path) -> list[str]:
     """Delete checkpoint directories a crash left without ``.metadata`` (never loadable)."""
     removed = []
+    for _, path, complete in _checkpoints(folder):
+        if not complete:
+            remove_dir(path)
+            removed.append(path.name)
+    return removed
+
+
+def _checkpoints(folder: Path) -> Iterator[tuple[int, Path, bool]]:
+    """Every ``step-<S>`` entry of ``folder``: its step, path and whether it is complete."""
     if folder.is_dir():
         for entry in os.scandir(folder):
-            if _CHECKPOINT.match(entry.name) and not os.path.isfile(
-                os.path.join(entry.path, _DCP_METADATA)
-            ):
-                remove_dir(Path(entry.path))
-                removed.append(entry.name)
-    return removed
+            step = snapshot_step(entry.name)
+            if step is not None:
+                yield step, Path(entry.path), (Path(entry.path) / DCP_METADATA).is_file()
 
 
 def make_durable(checkpoint: Path) -> None:

@@ -57,7 +57,7 @@ class Telemetry:
         self.fields: dict[str, Any] = {}
         self.last_beat = 0.0
         self.server: ObservabilityServer | None = (
-            serve(port, self.registry, self.health) if (leader) else None
+            serve(port, self.registry, self.health) if leader else None
         )
 
     def update(self, **fields: Any) -> None:
@@ -78,12 +78,11 @@ class Telemetry:
                 for g in self.client.xinfo_groups(self.keys.batches)
                 if g["name"] == TRAINER_GROUP.encode()
             ),
-            None,
+            {},
         )
-        lag = group.get("lag") if group else 0
         self.update(
-            queue_lag=int(lag or 0),
-            pending=int(self.client.xpending(self.keys.batches, TRAINER_GROUP)["pending"]),
+            queue_lag=int(group.get("lag") or 0),
+            pending=int(group.get("pending", 0)),  # XINFO GROUPS counts it too: no XPENDING
             at=now,
         )
         self.client.hset(

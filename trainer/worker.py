@@ -293,9 +293,9 @@ class Trainer(ForgeEngine):
             if state.step % self.resume_every == 0:
                 self._checkpoint()
             if state.step % self.cfg.publish_every == 0:
-                self._publish(wait=False)
+                self._publish()
         seconds = time.perf_counter() - start
-        lag = max(self.batches.policy_lag(item.batch) for item in items)
+        lag = self.batches.policy_lag(min(item.batch.policy_version for item in items))
         tokens = metrics.pop("tokens")
         self.telemetry.update(
             step=state.step,
@@ -348,20 +348,15 @@ class Trainer(ForgeEngine):
         self.to_ack = []
         self.checkpointed_step = state.step
 
-    def _publish(self, wait: bool) -> None:
+    def _publish(self) -> None:
         """Start a snapshot unless a write is running on any rank (then skip and count it)."""
         step = self.train_state.step
-        if wait:
-            self.snapshots.wait()
         (busy,) = self._agree(self.snapshots.busy())
         if busy:
             self.publish_skipped += 1
             log.warning("snapshot skipped: the previous write is still running", step=step)
             return
         self.snapshots.start(self.model_parts[0], step)
-        if wait:
-            self.snapshots.wait()
-            _barrier()
 
     def _report(self, force: bool = False) -> None:
         snapshots = self.snapshots
@@ -387,7 +382,9 @@ class Trainer(ForgeEngine):
         _barrier()
         step = self.train_state.step
         if self.cfg.steps and step >= self.cfg.steps and self.snapshots.last_step != step:
-            self._publish(wait=True)
+            self.snapshots.start(self.model_parts[0], step)  # no write is running: waited above
+            self.snapshots.wait()
+            _barrier()
         self._checkpoint()
         self._report(force=True)
         log.info(
