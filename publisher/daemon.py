@@ -80,7 +80,6 @@ class Publisher:
         self.failures = 0
         self.last_error = ""
         self.last_tick = time.monotonic()
-        self.was_leader = False
         self.announced_standby = False
         self._health_redis = redis.Redis.from_url(
             config.common.redis_url, socket_timeout=1, socket_connect_timeout=1
@@ -148,7 +147,7 @@ class Publisher:
             return True
         if self.lock.try_acquire():
             log.info("became the active publisher", holder=self.lock.holder)
-            self.was_leader, self.announced_standby = True, False
+            self.announced_standby = False
             self.metrics.leader.set(1)
             self.clean_weights_dir()
             self.lock.start_renewing()
@@ -156,7 +155,6 @@ class Publisher:
         if not self.announced_standby:
             log.info("standing by: another publisher is active", holder=self.lock.current_holder())
             self.announced_standby = True
-        self.was_leader = False
         self.metrics.leader.set(0)
         return False
 
