@@ -21,7 +21,6 @@ Layouts (``--layout``):
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -266,14 +265,11 @@ def _write_layouts(
         prefix = f"{HF_DIR}/" if options.layout == LAYOUT_BOTH else ""
         hf_dir.mkdir(exist_ok=True)
         outputs = hf_outputs(source, shapes, shape)
-        hf_files = _write_hf(hf_dir, outputs, config)
+        hf_files, weight_map = _write_hf(hf_dir, outputs, config)
         files += [FileEntry(prefix + f.name, f.bytes, f.sha256) for f in hf_files]
         if options.layout == LAYOUT_HF:
             by_name = {t.name: t for t in outputs}
-            weight_map = json.loads((hf_dir / HF_INDEX).read_text())["weight_map"]
-            tensors += [
-                _entry(by_name[n], f, {"kind": "hf"}) for n, f in sorted(weight_map.items())
-            ]
+            tensors += [_entry(by_name[n], f, {"kind": "hf"}) for n, f in weight_map.items()]
     write_json(tmp / CONFIG_NAME, config)
     files.append(file_entry(tmp / CONFIG_NAME))
     return files, tensors
@@ -281,8 +277,9 @@ def _write_layouts(
 
 def _write_hf(
     directory: Path, outputs: Sequence[OutputTensor], config: Mapping[str, Any]
-) -> list[FileEntry]:
-    """Shards of at most ``HF_SHARD_BYTES``, the index and ``config.json``."""
+) -> tuple[list[FileEntry], dict[str, str]]:
+    """Shards of at most ``HF_SHARD_BYTES``, the index and ``config.json``; the files and the
+    index's ``weight_map`` (tensor name -> shard file, sorted by name)."""
     shards: list[list[OutputTensor]] = [[]]
     size = 0
     for t in outputs:
@@ -297,16 +294,14 @@ def _write_hf(
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         files.append(_write_file(directory, name, shard))
         weight_map |= {t.name: name for t in shard}
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in outputs)},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
+    weight_map = dict(sorted(weight_map.items()))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in outputs)}, "weight_map": weight_map}
     write_json(directory / HF_INDEX, index)
     files.append(file_entry(directory / HF_INDEX))
     if directory.name == HF_DIR:
         write_json(directory / CONFIG_NAME, config)
         files.append(file_entry(directory / CONFIG_NAME))
-    return files
+    return files, weight_map
 
 
 def _write_file(directory: Path, name: str, outputs: Sequence[OutputTensor]) -> FileEntry:
