@@ -310,7 +310,9 @@ def _write_file(directory: Path, name: str, outputs: Sequence[OutputTensor]) -> 
     return FileEntry(name, written.bytes, written.sha256)
 
 
-def _entry(t: OutputTensor, file: str, shard: dict[str, Any], rank: int | None = None) -> Any:
+def _entry(
+    t: OutputTensor, file: str, shard: dict[str, Any], rank: int | None = None
+) -> TensorEntry:
     return TensorEntry(
         t.name, file, list(t.shape), str(t.dtype).removeprefix("torch."), shard, rank
     )
