@@ -78,7 +78,9 @@ def check_sizes(path: Path, metadata: Metadata) -> None:
     """Raise :class:`CorruptSnapshot` when a data file is shorter than ``.metadata`` says."""
     sizes: dict[str, int] = {}
     for key, info in _storage(metadata).items():
-        size = sizes.setdefault(info.relative_path, _file_size(path / info.relative_path))
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = _file_size(path / info.relative_path)
+        size = sizes[info.relative_path]
         if info.offset + info.length > size:
             raise CorruptSnapshot(
                 f"{info.relative_path} is truncated: {key.fqn} needs bytes up to "
