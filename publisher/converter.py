@@ -66,6 +66,7 @@ HF_INDEX = "model.safetensors.index.json"
 HF_DIR = "hf"
 LAYOUT_BOTH = "both"
 LAYOUTS = (LAYOUT_VLLM_FUSED, LAYOUT_HF, LAYOUT_BOTH)
+READERS = ("auto", "dcp-load")
 TMP_VERSION_PREFIX = ".tmp-v"
 HF_SHARD_BYTES = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
@@ -171,7 +172,7 @@ def open_source(snapshot: Snapshot, reader: str = "auto") -> Source:
         except Unsupported:
             pass
     elif reader != "dcp-load":
-        raise LayoutError(f"unknown reader {reader!r}; choose auto or dcp-load")
+        raise LayoutError(f"unknown reader {reader!r}; choose {' or '.join(READERS)}")
     return MemorySource(load_tensors(snapshot, metadata))
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from publisher.converter import LAYOUTS, TMP_VERSION_PREFIX, ConvertOptions, convert
+from publisher.converter import LAYOUTS, READERS, TMP_VERSION_PREFIX, ConvertOptions, convert
 from publisher.eviction import Evictor
 from publisher.leader import LeaderLock
 from publisher.metrics import PublisherMetrics
@@ -55,8 +55,10 @@ class Publisher:
             raise ConfigError(f"publisher.tp must be >= 1, got {cfg.tp}")
         if cfg.layout not in LAYOUTS:
             raise ConfigError(f"publisher.layout must be one of {', '.join(LAYOUTS)}")
-        if cfg.reader not in ("auto", "dcp-load"):
-            raise ConfigError(f"publisher.reader must be auto or dcp-load, got {cfg.reader!r}")
+        if cfg.reader not in READERS:
+            raise ConfigError(
+                f"publisher.reader must be {' or '.join(READERS)}, got {cfg.reader!r}"
+            )
         for name in ("leader_ttl_seconds", "retry_max_seconds", "rescan_seconds"):
             if getattr(cfg, name) <= 0:
                 raise ConfigError(f"publisher.{name} must be > 0, got {getattr(cfg, name)}")
