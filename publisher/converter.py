@@ -266,21 +266,22 @@ def _write_layouts(
         prefix = f"{HF_DIR}/" if options.layout == LAYOUT_BOTH else ""
         hf_dir.mkdir(exist_ok=True)
         outputs = hf_outputs(source, shapes, shape)
-        hf_files, weight_map = _write_hf(hf_dir, outputs, config)
+        hf_files, weight_map = _write_hf(hf_dir, outputs)
+        if options.layout == LAYOUT_BOTH:
+            hf_files.append(_write_json_file(hf_dir, CONFIG_NAME, config))
         files += [FileEntry(prefix + f.name, f.bytes, f.sha256) for f in hf_files]
         if options.layout == LAYOUT_HF:
             by_name = {t.name: t for t in outputs}
             tensors += [_entry(by_name[n], f, {"kind": "hf"}) for n, f in weight_map.items()]
-    write_json(tmp / CONFIG_NAME, config)
-    files.append(file_entry(tmp / CONFIG_NAME))
+    files.append(_write_json_file(tmp, CONFIG_NAME, config))
     return files, tensors
 
 
 def _write_hf(
-    directory: Path, outputs: Sequence[OutputTensor], config: Mapping[str, Any]
+    directory: Path, outputs: Sequence[OutputTensor]
 ) -> tuple[list[FileEntry], dict[str, str]]:
-    """Shards of at most ``HF_SHARD_BYTES``, the index and ``config.json``; the files and the
-    index's ``weight_map`` (tensor name -> shard file, sorted by name)."""
+    """Shards of at most ``HF_SHARD_BYTES`` and the index; the files and the index's
+    ``weight_map`` (tensor name -> shard file, sorted by name)."""
     shards: list[list[OutputTensor]] = [[]]
     size = 0
     for t in outputs:
@@ -297,11 +298,7 @@ def _write_hf(
         weight_map |= {t.name: name for t in shard}
     weight_map = dict(sorted(weight_map.items()))
     index = {"metadata": {"total_size": sum(t.nbytes for t in outputs)}, "weight_map": weight_map}
-    write_json(directory / HF_INDEX, index)
-    files.append(file_entry(directory / HF_INDEX))
-    if directory.name == HF_DIR:
-        write_json(directory / CONFIG_NAME, config)
-        files.append(file_entry(directory / CONFIG_NAME))
+    files.append(_write_json_file(directory, HF_INDEX, index))
     return files, weight_map
 
 
@@ -309,6 +306,11 @@ def _write_file(directory: Path, name: str, outputs: Sequence[OutputTensor]) -> 
     path = directory / name
     written = write_safetensors(path, outputs, _METADATA)
     return FileEntry(name, written.bytes, written.sha256)
+
+
+def _write_json_file(directory: Path, name: str, data: object) -> FileEntry:
+    write_json(directory / name, data)
+    return file_entry(directory / name)
 
 
 def _entry(
