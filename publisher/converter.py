@@ -303,9 +303,7 @@ def _write_hf(
 
 
 def _write_file(directory: Path, name: str, outputs: Sequence[OutputTensor]) -> FileEntry:
-    path = directory / name
-    written = write_safetensors(path, outputs, _METADATA)
-    return FileEntry(name, written.bytes, written.sha256)
+    return write_safetensors(directory / name, outputs, _METADATA)
 
 
 def _write_json_file(directory: Path, name: str, data: object) -> FileEntry:
