@@ -33,6 +33,7 @@ import redis
 import torch
 import torch.distributed.checkpoint as dcp
 
+from shared.durable import fsync_path
 from shared.keys import Keys
 from shared.redis_server import RedisServer
 from shared.snapshots import SnapshotInfo
@@ -105,12 +106,8 @@ def raw_copy(template: Path, target: Path) -> float:
     for src in sorted(template.glob("*.distcp")):
         dst = target / src.name
         shutil.copyfile(src, dst)
-        fd = os.open(dst, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
-    os.fsync(fd)
-    os.close(fd)
+        fsync_path(dst)
+    fsync_path(target)
     return time.perf_counter() - start
 
 

@@ -21,7 +21,6 @@ Layouts (``--layout``):
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ HF_INDEX = "model.safetensors.index.json"
 HF_DIR = "hf"
 LAYOUT_BOTH = "both"
 LAYOUTS = (LAYOUT_VLLM_FUSED, LAYOUT_HF, LAYOUT_BOTH)
+READERS = ("auto", "dcp-load")
 TMP_VERSION_PREFIX = ".tmp-v"
 HF_SHARD_BYTES = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
@@ -172,7 +172,7 @@ def open_source(snapshot: Snapshot, reader: str = "auto") -> Source:
         except Unsupported:
             pass
     elif reader != "dcp-load":
-        raise LayoutError(f"unknown reader {reader!r}; choose auto or dcp-load")
+        raise LayoutError(f"unknown reader {reader!r}; choose {' or '.join(READERS)}")
     return MemorySource(load_tensors(snapshot, metadata))
 
 
@@ -266,23 +266,22 @@ def _write_layouts(
         prefix = f"{HF_DIR}/" if options.layout == LAYOUT_BOTH else ""
         hf_dir.mkdir(exist_ok=True)
         outputs = hf_outputs(source, shapes, shape)
-        hf_files = _write_hf(hf_dir, outputs, config)
+        hf_files, weight_map = _write_hf(hf_dir, outputs)
+        if options.layout == LAYOUT_BOTH:
+            hf_files.append(_write_json_file(hf_dir, CONFIG_NAME, config))
         files += [FileEntry(prefix + f.name, f.bytes, f.sha256) for f in hf_files]
         if options.layout == LAYOUT_HF:
             by_name = {t.name: t for t in outputs}
-            weight_map = json.loads((hf_dir / HF_INDEX).read_text())["weight_map"]
-            tensors += [
-                _entry(by_name[n], f, {"kind": "hf"}) for n, f in sorted(weight_map.items())
-            ]
-    write_json(tmp / CONFIG_NAME, config)
-    files.append(file_entry(tmp / CONFIG_NAME))
+            tensors += [_entry(by_name[n], f, {"kind": "hf"}) for n, f in weight_map.items()]
+    files.append(_write_json_file(tmp, CONFIG_NAME, config))
     return files, tensors
 
 
 def _write_hf(
-    directory: Path, outputs: Sequence[OutputTensor], config: Mapping[str, Any]
-) -> list[FileEntry]:
-    """Shards of at most ``HF_SHARD_BYTES``, the index and ``config.json``."""
+    directory: Path, outputs: Sequence[OutputTensor]
+) -> tuple[list[FileEntry], dict[str, str]]:
+    """Shards of at most ``HF_SHARD_BYTES`` and the index; the files and the index's
+    ``weight_map`` (tensor name -> shard file, sorted by name)."""
     shards: list[list[OutputTensor]] = [[]]
     size = 0
     for t in outputs:
@@ -297,25 +296,24 @@ def _write_hf(
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         files.append(_write_file(directory, name, shard))
         weight_map |= {t.name: name for t in shard}
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in outputs)},
-        "weight_map": dict(sorted(weight_map.items())),
-    }
-    write_json(directory / HF_INDEX, index)
-    files.append(file_entry(directory / HF_INDEX))
-    if directory.name == HF_DIR:
-        write_json(directory / CONFIG_NAME, config)
-        files.append(file_entry(directory / CONFIG_NAME))
-    return files
+    weight_map = dict(sorted(weight_map.items()))
+    index = {"metadata": {"total_size": sum(t.nbytes for t in outputs)}, "weight_map": weight_map}
+    files.append(_write_json_file(directory, HF_INDEX, index))
+    return files, weight_map
 
 
 def _write_file(directory: Path, name: str, outputs: Sequence[OutputTensor]) -> FileEntry:
-    path = directory / name
-    written = write_safetensors(path, outputs, _METADATA)
-    return FileEntry(name, written.bytes, written.sha256)
+    return write_safetensors(directory / name, outputs, _METADATA)
 
 
-def _entry(t: OutputTensor, file: str, shard: dict[str, Any], rank: int | None = None) -> Any:
+def _write_json_file(directory: Path, name: str, data: object) -> FileEntry:
+    write_json(directory / name, data)
+    return file_entry(directory / name)
+
+
+def _entry(
+    t: OutputTensor, file: str, shard: dict[str, Any], rank: int | None = None
+) -> TensorEntry:
     return TensorEntry(
         t.name, file, list(t.shape), str(t.dtype).removeprefix("torch."), shard, rank
     )

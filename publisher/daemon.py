@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from publisher.converter import LAYOUTS, TMP_VERSION_PREFIX, ConvertOptions, convert
+from publisher.converter import LAYOUTS, READERS, TMP_VERSION_PREFIX, ConvertOptions, convert
 from publisher.eviction import Evictor
 from publisher.leader import LeaderLock
 from publisher.metrics import PublisherMetrics
@@ -55,8 +55,10 @@ class Publisher:
             raise ConfigError(f"publisher.tp must be >= 1, got {cfg.tp}")
         if cfg.layout not in LAYOUTS:
             raise ConfigError(f"publisher.layout must be one of {', '.join(LAYOUTS)}")
-        if cfg.reader not in ("auto", "dcp-load"):
-            raise ConfigError(f"publisher.reader must be auto or dcp-load, got {cfg.reader!r}")
+        if cfg.reader not in READERS:
+            raise ConfigError(
+                f"publisher.reader must be {' or '.join(READERS)}, got {cfg.reader!r}"
+            )
         for name in ("leader_ttl_seconds", "retry_max_seconds", "rescan_seconds"):
             if getattr(cfg, name) <= 0:
                 raise ConfigError(f"publisher.{name} must be > 0, got {getattr(cfg, name)}")
@@ -80,7 +82,6 @@ class Publisher:
         self.failures = 0
         self.last_error = ""
         self.last_tick = time.monotonic()
-        self.was_leader = False
         self.announced_standby = False
         self._health_redis = redis.Redis.from_url(
             config.common.redis_url, socket_timeout=1, socket_connect_timeout=1
@@ -148,7 +149,7 @@ class Publisher:
             return True
         if self.lock.try_acquire():
             log.info("became the active publisher", holder=self.lock.holder)
-            self.was_leader, self.announced_standby = True, False
+            self.announced_standby = False
             self.metrics.leader.set(1)
             self.clean_weights_dir()
             self.lock.start_renewing()
@@ -156,7 +157,6 @@ class Publisher:
         if not self.announced_standby:
             log.info("standing by: another publisher is active", holder=self.lock.current_holder())
             self.announced_standby = True
-        self.was_leader = False
         self.metrics.leader.set(0)
         return False
 

@@ -78,7 +78,9 @@ def check_sizes(path: Path, metadata: Metadata) -> None:
     """Raise :class:`CorruptSnapshot` when a data file is shorter than ``.metadata`` says."""
     sizes: dict[str, int] = {}
     for key, info in _storage(metadata).items():
-        size = sizes.setdefault(info.relative_path, _file_size(path / info.relative_path))
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = _file_size(path / info.relative_path)
+        size = sizes[info.relative_path]
         if info.offset + info.length > size:
             raise CorruptSnapshot(
                 f"{info.relative_path} is truncated: {key.fqn} needs bytes up to "
@@ -232,9 +234,7 @@ def _check_rebuild(pkl: bytes, dtype: torch.dtype, shape: tuple[int, ...], name:
     if not (isinstance(storage, tuple) and len(storage) == 5 and storage[0] == "storage"):
         raise Unsupported(f"{name}: unexpected storage reference")
     storage_type = storage[1].qualname.rsplit(".", 1)[-1] if isinstance(storage[1], _Marker) else ""
-    contiguous = tuple(
-        math.prod(shape[i + 1 :]) if math.prod(shape[i + 1 :]) else 1 for i in range(len(shape))
-    )
+    contiguous = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     if (
         _STORAGE_DTYPES.get(storage_type) != dtype
         or storage[2] != "0"

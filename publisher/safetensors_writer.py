@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from shared.manifest import FileEntry
+
 BUFFER_BYTES = 16 * 1024 * 1024
 BUFFERS = 4
 _ALIGN = 4096
@@ -96,12 +98,6 @@ class OutputTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
-class Written:
-    bytes: int
-    sha256: str
-
-
 def piece_bytes(piece: Piece) -> int:
     if isinstance(piece, FileRange):
         return piece.length
@@ -140,8 +136,8 @@ def header(tensors: Sequence[OutputTensor], metadata: Mapping[str, str]) -> byte
 
 def write_safetensors(
     path: Path, tensors: Iterable[OutputTensor], metadata: Mapping[str, str]
-) -> Written:
-    """Write ``tensors`` to a new file at ``path`` and fsync it; returns its size and sha256."""
+) -> FileEntry:
+    """Write ``tensors`` to a new file at ``path`` and fsync it; returns its manifest entry."""
     ordered = file_order(tensors)
     for t in ordered:
         got = sum(piece_bytes(p) for p in t.pieces)
@@ -152,7 +148,7 @@ def write_safetensors(
         for t in ordered:
             for piece in t.pieces:
                 writer.copy(piece)
-    return Written(writer.size, writer.digest.hexdigest())
+    return FileEntry(path.name, writer.size, writer.digest.hexdigest())
 
 
 class _PipelinedWriter:

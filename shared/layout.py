@@ -132,7 +132,10 @@ def check_tp(shape: ModelShape, tp: int) -> None:
 
 
 def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
-    """The shape a Qwen3 tensor named ``name`` must have, or None for names not known here."""
+    """The shape a Qwen3 tensor named ``name`` must have, or None for names not known here.
+
+    Raises :class:`LayoutError` for a layer the config does not have.
+    """
     h, d, q, kv, inter = (
         shape.hidden_size,
         shape.head_dim,
@@ -148,7 +151,7 @@ def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
     if m is None:
         return None
     if int(m.group(1)) >= shape.num_layers:
-        return (-1,)  # a layer the config does not have
+        raise LayoutError(f"{name}: the config has only {shape.num_layers} layers")
     known = {
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
@@ -172,8 +175,6 @@ def check_shapes(shapes: Mapping[str, Sequence[int]], shape: ModelShape) -> None
     """Raise :class:`LayoutError` naming the first tensor whose shape the config contradicts."""
     for name, size in shapes.items():
         expected = expected_shape(name, shape)
-        if expected == (-1,):
-            raise LayoutError(f"{name}: the config has only {shape.num_layers} layers")
         if expected is not None and tuple(size) != expected:
             raise LayoutError(f"{name} has shape {list(size)}; the config implies {list(expected)}")
     if "model.embed_tokens.weight" not in shapes:

@@ -10,8 +10,9 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import redis
 import torch
@@ -340,3 +341,9 @@ def publish_snapshot(
     os.rename(written, final)
     staging.rmdir()
     return final
+
+
+def rank_part(tensor: torch.Tensor, shard: Mapping[str, Any], rank: int, tp: int) -> torch.Tensor:
+    """What tp rank ``rank`` holds of a published ``tensor`` (``layout.rank_slice``), a view."""
+    part = rank_slice(shard, list(tensor.shape), rank, tp)
+    return tensor if part is None else tensor.narrow(part.dim, part.start, part.stop - part.start)

@@ -14,11 +14,18 @@ from safetensors.torch import load_file, save_file
 from publisher.converter import LAYOUT_BOTH, ConvertOptions, convert, rank_file_name
 from publisher.dcp_index import index_snapshot
 from publisher.snapshot_reader import Snapshot
-from shared.layout import LayoutError, ModelShape, assemble, plan_vllm_fused, rank_slice
+from shared.layout import LayoutError, ModelShape, assemble, plan_vllm_fused
 from shared.manifest import Manifest, verify_files
 from shared.snapshots import SnapshotInfo
 
-from helpers import hf_config, hf_state, shape_of, write_sharded_snapshot, write_snapshot
+from helpers import (
+    hf_config,
+    hf_state,
+    rank_part,
+    shape_of,
+    write_sharded_snapshot,
+    write_snapshot,
+)
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,
@@ -131,12 +138,7 @@ def test_per_rank_files_hold_exactly_what_vllm_loads_on_each_rank(tmp_path: Path
             entry = entries[name]
             assert entry.file == rank_file_name(rank, tp)
             assert list(mine[name].shape) == entry.shape
-            part = rank_slice(entry.shard, list(tensor.shape), rank, tp)
-            expected = (
-                tensor
-                if part is None
-                else tensor.narrow(part.dim, part.start, part.stop - part.start)
-            )
+            expected = rank_part(tensor, entry.shard, rank, tp)
             assert torch.equal(mine[name], expected), f"{name} rank {rank}"
         # Independently of rank_slice: what vLLM's loaders put on this rank.
         attn = "model.layers.1.self_attn"

@@ -25,7 +25,7 @@ from shared.layout import (
 from shared.manifest import Manifest, verify_files
 from shared.snapshots import SnapshotInfo
 
-from helpers import hf_config, hf_state, shape_of, write_snapshot
+from helpers import hf_config, hf_state, rank_part, shape_of, write_snapshot
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,
@@ -100,12 +100,7 @@ def test_rank_slice_of_every_tensor_is_what_vllm_loads_on_that_rank(model: str, 
     for rank in range(tp):
         for p in plan:
             tensor = fused[p.name]
-            part = rank_slice(p.shard, list(tensor.shape), rank, tp)
-            mine = (
-                tensor
-                if part is None
-                else tensor.narrow(part.dim, part.start, part.stop - part.start)
-            )
+            mine = rank_part(tensor, p.shard, rank, tp)
             kind = p.shard["kind"]
             if kind in ("qkv", "gate_up"):
                 expected = tensor.chunk(tp)[rank]  # checked against vLLM's loaders above
