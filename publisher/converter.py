@@ -123,7 +123,10 @@ def convert(
     except LayoutError as exc:
         raise CorruptSnapshot(str(exc)) from None
     check_tp(shape, options.tp)
-    plan = plan_vllm_fused({n: s[0] for n, (s, _) in shapes.items()}, shape, options.tp)
+    try:  # the tp is servable, so what planning refuses is in the snapshot's tensors
+        plan = plan_vllm_fused({n: s[0] for n, (s, _) in shapes.items()}, shape, options.tp)
+    except LayoutError as exc:
+        raise CorruptSnapshot(str(exc)) from None
     if options.per_rank_files:
         for p in plan:
             rank_slice(p.shard, _fused_meta(p, shapes)[1], 0, options.tp)

@@ -66,12 +66,20 @@ def wrong_shapes(path: Path) -> None:
     write_snapshot(path.parent, int(path.name.split("-")[1]), SHAPE, state)
 
 
+def missing_tensor(path: Path) -> None:
+    shutil.rmtree(path)
+    state = hf_state(SHAPE, torch.bfloat16)
+    del state["model.layers.0.self_attn.q_proj.weight"]  # k and v are left with no partner
+    write_snapshot(path.parent, int(path.name.split("-")[1]), SHAPE, state)
+
+
 DAMAGE = {
     truncate_data: "truncated",
     garble_metadata: ".metadata unreadable",
     drop_config: "incomplete",
     inconsistent_config: "the config implies",
     wrong_shapes: "up_proj.weight has shape [31, 16]; the config implies [32, 16]",
+    missing_tensor: "k_proj.weight has no partner to fuse with",
 }
 
 
