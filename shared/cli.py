@@ -112,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--claim-idle-s",
         help="claim entries other consumers left pending this long",
     )
+    add_flag(
+        trainer,
+        "trainer.trim_stream",
+        "--trim-stream",
+        help="delete stream entries every group has acknowledged after each checkpoint",
+    )
     add_flag(trainer, "trainer.consumer", "--consumer", help="consumer name in group trainer")
     add_flag(trainer, "trainer.run_id", "--run-id", help="run id written into snapshots")
     add_flag(trainer, "trainer.metrics_port", "--metrics-port", help="/metrics and /healthz port")

@@ -63,6 +63,9 @@ class TrainerConfig:
     claim_idle_s: float = 300.0
     """Claim entries another consumer left pending this long; keep it above the time
     between reading an entry and the resume checkpoint that holds it."""
+    trim_stream: bool = True
+    """After each resume checkpoint, delete the stream entries every consumer group has
+    acknowledged, so a long run does not grow Redis; false keeps them (replay, audit)."""
     applied_history: int = 100_000
     """Applied stream ids kept in the train state (ids since the last checkpoint always)."""
     consumer: str = ""

@@ -1,4 +1,5 @@
-"""The batch stream: group creation and the two ways an entry leaves it (ack, dead letter)."""
+"""The batch stream: group creation, the two ways an entry leaves a group (ack, dead letter),
+and trimming what every group has acknowledged."""
 
 from __future__ import annotations
 
@@ -29,3 +30,35 @@ def dead_letter(
     pipe.xadd(keys.dead_letters, {**fields, "reason": reason, "orig_id": entry_id})
     pipe.xack(keys.batches, TRAINER_GROUP, entry_id)
     pipe.execute()
+
+
+def trim_acknowledged(client: redis.Redis, keys: Keys) -> int:
+    """Delete the entries every consumer group of the batch stream has acknowledged.
+
+    An entry is gone from every group once each group has delivered it and none still holds
+    it pending: it lies at or below each group's last-delivered id and below its oldest
+    pending one.
+    Both bounds only grow while this runs, so entries delivered or claimed meanwhile are
+    never cut. Returns the number of entries deleted; without groups nothing is deleted.
+    """
+    try:
+        groups = client.xinfo_groups(keys.batches)
+    except redis.ResponseError:  # no stream yet
+        return 0
+    if not groups:
+        return 0
+    bounds = []
+    for group in groups:
+        ms, seq = _stream_id(group["last-delivered-id"])
+        bounds.append((ms, seq + 1))  # the last delivered entry itself, once acknowledged
+        if group["pending"]:
+            oldest = client.xpending(keys.batches, group["name"])["min"]
+            bounds.append(_stream_id(oldest))
+    ms, seq = min(bounds)
+    return client.xtrim(keys.batches, minid=f"{ms}-{seq}", approximate=False)
+
+
+def _stream_id(raw: bytes | str) -> tuple[int, int]:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)

@@ -234,14 +234,6 @@ def push_batches(
     return pushed
 
 
-def stream_uids(client: redis.Redis, keys: Keys) -> dict[str, str]:
-    """Every entry of the batch stream: stream id -> ``meta.uid``."""
-    return {
-        entry_id.decode(): json.loads(fields[b"meta"]).get("uid", "")
-        for entry_id, fields in client.xrange(keys.batches)
-    }
-
-
 def final_train_state(resume_dir: Path) -> TrainState:
     """The train state of the newest complete resume checkpoint."""
     found = newest_checkpoint(resume_dir)

@@ -28,6 +28,7 @@ from shared.config import Config, ConfigError, TrainerConfig
 from shared.keys import Keys
 from shared.logs import get_logger
 from shared.redis_server import free_port
+from shared.streams import trim_acknowledged
 from trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 from trainer.loss import LossSettings, get_loss, policy_entropy, trained_tokens
 from trainer.model import TRAIN_SPEC_NAME, flavor_args, hf_config, register_train_spec
@@ -150,6 +151,7 @@ class Trainer(ForgeEngine):
         self.stop_requested = False
         self.leader = torch.distributed.get_rank() == 0
         self.world = torch.distributed.get_world_size()
+        self.trims_stream = cfg.trim_stream and self.leader  # one rank trims for all
         # The checkpoint cadence is weightcast's (acks wait for it); torchtitan saves when asked.
         self.resume_every = self.checkpointer.interval
         self.checkpointer.interval = 1
@@ -339,10 +341,12 @@ class Trainer(ForgeEngine):
             make_durable(self.resume_dir / f"step-{state.step}")
         _barrier()
         self.batches.ack(self.to_ack)
+        trimmed = trim_acknowledged(self.redis, self.keys) if self.trims_stream else 0
         log.info(
             "resume checkpoint",
             step=state.step,
             acked=len(self.to_ack),
+            trimmed=trimmed,
             seconds=time.perf_counter() - begin,
         )
         self.to_ack = []
