@@ -49,16 +49,17 @@ def trim_acknowledged(client: redis.Redis, keys: Keys) -> int:
         return 0
     bounds = []
     for group in groups:
-        ms, seq = _stream_id(group["last-delivered-id"])
+        ms, seq = parse_stream_id(group["last-delivered-id"])
         bounds.append((ms, seq + 1))  # the last delivered entry itself, once acknowledged
         if group["pending"]:
             oldest = client.xpending(keys.batches, group["name"])["min"]
-            bounds.append(_stream_id(oldest))
+            bounds.append(parse_stream_id(oldest))
     ms, seq = min(bounds)
     return client.xtrim(keys.batches, minid=f"{ms}-{seq}", approximate=False)
 
 
-def _stream_id(raw: bytes | str) -> tuple[int, int]:
+def parse_stream_id(raw: bytes | str) -> tuple[int, int]:
+    """A stream id ``"<ms>-<seq>"`` (as Redis or redis-py gives it) as ``(ms, seq)``."""
     text = raw.decode() if isinstance(raw, bytes) else raw
     ms, _, seq = text.partition("-")
     return int(ms), int(seq or 0)

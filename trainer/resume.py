@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from shared.durable import fsync_path, remove_dir
 from shared.snapshots import DCP_METADATA, snapshot_step
+from shared.streams import parse_stream_id
 
 STATE_KEY = "train_state"
 """Name ForgeEngine gives the train state in the checkpoint (keys ``train_state.<name>``)."""
@@ -29,7 +30,7 @@ RUN_ID_BYTES = 64
 
 def encode_ids(entry_ids: Iterable[str]) -> torch.Tensor:
     """Stream ids ``"<ms>-<seq>"`` as an int64 ``[N, 2]`` tensor."""
-    rows = [[int(part) for part in entry_id.split("-")] for entry_id in entry_ids]
+    rows = [parse_stream_id(entry_id) for entry_id in entry_ids]
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 2)
 
 
