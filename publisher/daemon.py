@@ -25,12 +25,12 @@ from publisher.converter import LAYOUTS, READERS, TMP_VERSION_PREFIX, ConvertOpt
 from publisher.eviction import Evictor
 from publisher.leader import LeaderLock
 from publisher.metrics import PublisherMetrics
-from publisher.registry import ALREADY_HANDLED, QUARANTINED, REGISTERED, SKIPPED, Registry
+from publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
 from publisher.snapshot_reader import CorruptSnapshot, Snapshot, complete_snapshots
 from publisher.watcher import SnapshotWatcher
 from shared.config import Config, ConfigError
 from shared.durable import TRASH_PREFIX, remove_dir, sweep
-from shared.keys import Keys
+from shared.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
 from shared.layout import LayoutError
 from shared.logs import get_logger
 from shared.observability import Health, serve
@@ -172,7 +172,7 @@ class Publisher:
         pending = [s for s in snapshots if s.info.snapshot_id not in handled]
         if pending:
             for older in pending[:-1]:
-                self.registry.mark(older.info.snapshot_id, SKIPPED)
+                self.registry.mark(older.info.snapshot_id, SNAPSHOT_SKIPPED)
                 self.metrics.skipped.inc()
                 log.info(
                     "skipped snapshot (a newer one is pending)",
@@ -286,7 +286,7 @@ class Publisher:
         except FileNotFoundError:
             return
         if snapshot_id:
-            self.registry.mark(snapshot_id, QUARANTINED)
+            self.registry.mark(snapshot_id, SNAPSHOT_QUARANTINED)
         self.registry.record_quarantine(snapshot_id or path.name, reason, step, str(target))
         self.metrics.quarantined.inc()
         log.error("quarantined snapshot", path=str(path), moved_to=str(target), reason=reason)

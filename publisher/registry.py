@@ -17,9 +17,6 @@ import redis
 
 from shared.keys import Keys
 
-SKIPPED = "skipped"
-QUARANTINED = "quarantined"
-
 NOT_LEADER = -1
 ALREADY_HANDLED = 0
 REGISTERED = 1

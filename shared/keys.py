@@ -12,6 +12,11 @@ from dataclasses import dataclass
 TRAINER_GROUP = "trainer"
 """Consumer group of the batch stream that trainers read with XREADGROUP."""
 
+SNAPSHOT_SKIPPED = "skipped"
+"""Value in :attr:`Keys.snapshots` for a snapshot passed over because a newer one was pending."""
+SNAPSHOT_QUARANTINED = "quarantined"
+"""Value in :attr:`Keys.snapshots` for a snapshot that could not be read or converted."""
+
 _NAMESPACE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 

@@ -28,7 +28,7 @@ import redis
 
 from shared.codec import META_FIELD
 from shared.config import Config, ConfigError
-from shared.keys import Keys
+from shared.keys import SNAPSHOT_SKIPPED, Keys
 from shared.redis_server import RedisServer
 
 FOLLOWER_ID = "up-follower"
@@ -68,6 +68,10 @@ class Progress:
     follower_version: int = 0
     rewards: dict[int, list[float]] = field(default_factory=dict)
     """Mean reward of each rollout batch, by the policy version it was sampled from."""
+    skipped_by_trainer: int = 0
+    """Snapshots the trainer did not start because the previous write was still running."""
+    skipped_by_publisher: int = 0
+    """Snapshots the publisher passed over because a newer one was already complete."""
     last_entry: str = "0"
 
     def describe(self, steps: int) -> str:
@@ -187,7 +191,11 @@ class Stack:
                 progress.published.append(event)
             elif event["event"] == "evicted":
                 progress.evicted.append(event["version"])
-        progress.step = int(self.redis.hget(self.keys.trainer_heartbeat, "step") or 0)
+        step, skipped = self.redis.hmget(self.keys.trainer_heartbeat, ["step", "publish_skipped"])
+        progress.step = int(step or 0)
+        progress.skipped_by_trainer = int(skipped or 0)
+        outcomes = self.redis.hvals(self.keys.snapshots)
+        progress.skipped_by_publisher = outcomes.count(SNAPSHOT_SKIPPED.encode())
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
         progress.follower_version = json.loads(node)["version"] if node else 0
         for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
@@ -302,6 +310,9 @@ def summary(
         f"weightcast up: done in {seconds:.1f}s",
         f"  trained {steps} steps; {len(published)} versions published, "
         f"{len(progress.evicted)} evicted, live: {' '.join(f'v{v}' for v in live)}",
+        f"  snapshots skipped under load: {progress.skipped_by_trainer} by the trainer "
+        f"(previous write still running), {progress.skipped_by_publisher} by the publisher "
+        "(a newer one was complete)",
         f"  the inference node loaded v{progress.follower_version}; "
         f"{dead_letters} batches dead-lettered",
         "  version   step   snapshot -> registered   rollouts   mean reward",
