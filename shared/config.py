@@ -60,6 +60,9 @@ class TrainerConfig:
     ``<checkpoint_dir>-resume``, beside the snapshots and outside the publisher's scan."""
     max_deliveries: int = 5
     """Dead-letter an entry delivered more often than this (it keeps crashing trainers)."""
+    dead_letters_kept: int = 10_000
+    """The dead-letter stream keeps its newest this many entries (each holds a whole batch);
+    0 keeps every one."""
     claim_idle_s: float = 300.0
     """Claim entries another consumer left pending this long; keep it above the time
     between reading an entry and the resume checkpoint that holds it."""

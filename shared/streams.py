@@ -23,11 +23,25 @@ def ensure_group(client: redis.Redis, keys: Keys) -> None:
 
 
 def dead_letter(
-    client: redis.Redis, keys: Keys, entry_id: str, fields: Mapping[bytes | str, bytes], reason: str
+    client: redis.Redis,
+    keys: Keys,
+    entry_id: str,
+    fields: Mapping[bytes | str, bytes],
+    reason: str,
+    keep: int = 0,
 ) -> None:
-    """Move an entry to the dead-letter stream with its reason, in one transaction."""
+    """Move an entry to the dead-letter stream with its reason, in one transaction.
+
+    With ``keep`` > 0 the dead-letter stream keeps only its newest ``keep`` entries, so a
+    producer that keeps sending bad batches cannot fill Redis with them; 0 keeps them all.
+    """
     pipe = client.pipeline(transaction=True)
-    pipe.xadd(keys.dead_letters, {**fields, "reason": reason, "orig_id": entry_id})
+    pipe.xadd(
+        keys.dead_letters,
+        {**fields, "reason": reason, "orig_id": entry_id},
+        maxlen=keep or None,
+        approximate=False,
+    )
     pipe.xack(keys.batches, TRAINER_GROUP, entry_id)
     pipe.execute()
 

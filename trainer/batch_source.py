@@ -39,6 +39,8 @@ class SourceSettings:
     block_ms: int = 1000
     max_deliveries: int = 5
     """An entry delivered more often than this (crashes, claims) is dead-lettered."""
+    dead_letters_kept: int = 10_000
+    """Newest dead-letter entries kept; 0 keeps all."""
     claim_idle_ms: int = 300_000
     """Entries of other consumers pending longer than this are claimed (a dead trainer's)."""
     max_policy_lag: int = 8
@@ -213,7 +215,9 @@ class BatchSource:
         }
 
     def _dead_letter(self, entry_id: str, fields: Fields, reason: str) -> None:
-        dead_letter(self.client, self.keys, entry_id, fields, reason)
+        dead_letter(
+            self.client, self.keys, entry_id, fields, reason, self.settings.dead_letters_kept
+        )
         self.held.discard(entry_id)
         self.dead_lettered += 1
         log.warning("dead-lettered batch", entry=entry_id, reason=reason)

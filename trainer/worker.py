@@ -127,6 +127,10 @@ class Trainer(ForgeEngine):
         for name in ("publish_every", "micro_batches", "max_deliveries"):
             if getattr(cfg, name) < 1:
                 raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.dead_letters_kept < 0:
+            raise ConfigError(
+                f"trainer.dead_letters_kept must be >= 0 (0 keeps all), got {cfg.dead_letters_kept}"
+            )
         for message in _CPU_NOISE:
             warnings.filterwarnings("ignore", message=message)
         try:
@@ -171,6 +175,7 @@ class Trainer(ForgeEngine):
             SourceSettings(
                 block_ms=cfg.block_ms,
                 max_deliveries=cfg.max_deliveries,
+                dead_letters_kept=cfg.dead_letters_kept,
                 claim_idle_ms=int(cfg.claim_idle_s * 1000),
                 max_policy_lag=cfg.max_policy_lag,
             ),
