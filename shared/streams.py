@@ -65,8 +65,10 @@ def trim_acknowledged(client: redis.Redis, keys: Keys) -> int:
     for group in groups:
         ms, seq = parse_stream_id(group["last-delivered-id"])
         bounds.append((ms, seq + 1))  # the last delivered entry itself, once acknowledged
-        if group["pending"]:
-            oldest = client.xpending(keys.batches, group["name"])["min"]
+        # None when nothing is pending, also when XINFO counted some that another trainer
+        # rank has acknowledged since.
+        oldest = client.xpending(keys.batches, group["name"])["min"]
+        if oldest is not None:
             bounds.append(parse_stream_id(oldest))
     ms, seq = min(bounds)
     return client.xtrim(keys.batches, minid=f"{ms}-{seq}", approximate=False)
