@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import redis
 
 from shared.keys import TRAINER_GROUP, Keys
@@ -59,3 +61,52 @@ def test_dead_letters_keep_their_reason_and_only_the_newest_are_kept(
     ]
     dead_letter(client, keys, pushed[0].decode(), {}, "kept forever", keep=0)
     assert client.xlen(keys.dead_letters) == 3
+
+
+def test_trimming_while_two_consumers_read_and_acknowledge(client: redis.Redis, keys: Keys) -> None:
+    """The race of a multi-rank trainer: one rank trims while others read and acknowledge.
+
+    Every entry must still be in the stream while a consumer holds it pending, and the
+    trimmer must not fail when the pending entries it counted are acknowledged under it.
+    """
+    ensure_group(client, keys)
+    pipe = client.pipeline(transaction=False)
+    for i in range(600):
+        pipe.xadd(keys.batches, {"n": str(i)})
+    pushed = pipe.execute()
+    trimmed_while_pending: list[bytes] = []
+    consumed: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def consume(name: str) -> None:
+        own = redis.Redis(connection_pool=client.connection_pool)
+        while reply := own.xreadgroup(TRAINER_GROUP, name, {keys.batches: ">"}, count=3):
+            entry_ids = [entry_id for entry_id, _ in reply[0][1]]
+            for entry_id in entry_ids:
+                if not own.xrange(keys.batches, entry_id, entry_id):
+                    trimmed_while_pending.append(entry_id)
+            own.xack(keys.batches, TRAINER_GROUP, *entry_ids)
+            consumed.extend(entry_ids)
+
+    def trim(stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                trim_acknowledged(client, keys)
+        except BaseException as exc:
+            errors.append(exc)
+
+    stop = threading.Event()
+    trimmer = threading.Thread(target=trim, args=(stop,))
+    trimmer.start()
+    consumers = [threading.Thread(target=consume, args=(f"rank{r}",)) for r in range(2)]
+    for thread in consumers:
+        thread.start()
+    for thread in consumers:
+        thread.join()
+    stop.set()
+    trimmer.join()
+
+    assert errors == [] and trimmed_while_pending == []
+    assert sorted(consumed) == sorted(pushed)
+    trim_acknowledged(client, keys)
+    assert client.xlen(keys.batches) == 0
