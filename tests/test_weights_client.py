@@ -129,10 +129,12 @@ def test_wait_for_newer_wakes_on_the_event_and_survives_a_lost_one(
 ) -> None:
     reader = deployment.reader()
     assert reader.wait_for_newer(0, timeout=0.3, poll=0.1) is None
-    threading.Timer(0.3, deployment.publish).start()
+    publisher = threading.Timer(0.3, deployment.publish)
+    publisher.start()
     start = time.monotonic()
     assert reader.wait_for_newer(0, timeout=20, poll=10) == 1  # the pub/sub event wakes it
     assert time.monotonic() - start < 8
+    publisher.join()  # its last Redis call may come after the event
     # A version whose event never arrives (latest set without PUBLISH) is still found by polling.
     deployment.client.set(deployment.keys.latest, 2)
     assert reader.wait_for_newer(1, timeout=5, poll=0.2) == 2
