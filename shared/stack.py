@@ -178,9 +178,18 @@ class Stack:
                 and final["step"] == steps
                 and progress.follower_version == final["version"]
             ):
+                self.count_skipped(progress)
                 return progress
             if time.monotonic() - started > timeout:
                 raise StackFailure(f"not done after {timeout:.0f}s: {state}")
+
+    def count_skipped(self, progress: Progress) -> None:
+        """The snapshots skipped under load, from the trainer's last heartbeat and the
+        publisher's record of handled snapshots."""
+        skipped = self.redis.hget(self.keys.trainer_heartbeat, "publish_skipped")
+        progress.skipped_by_trainer = int(skipped or 0)
+        outcomes = self.redis.hvals(self.keys.snapshots)
+        progress.skipped_by_publisher = outcomes.count(SNAPSHOT_SKIPPED.encode())
 
     def observe(self, pubsub: redis.client.PubSub, progress: Progress) -> None:
         while message := pubsub.get_message(timeout=0.2):
@@ -191,11 +200,7 @@ class Stack:
                 progress.published.append(event)
             elif event["event"] == "evicted":
                 progress.evicted.append(event["version"])
-        step, skipped = self.redis.hmget(self.keys.trainer_heartbeat, ["step", "publish_skipped"])
-        progress.step = int(step or 0)
-        progress.skipped_by_trainer = int(skipped or 0)
-        outcomes = self.redis.hvals(self.keys.snapshots)
-        progress.skipped_by_publisher = outcomes.count(SNAPSHOT_SKIPPED.encode())
+        progress.step = int(self.redis.hget(self.keys.trainer_heartbeat, "step") or 0)
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
         progress.follower_version = json.loads(node)["version"] if node else 0
         for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
