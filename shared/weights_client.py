@@ -3,22 +3,26 @@
 A lease is a member of ``{wc}:weights:leases:<N>`` scored with its expiry; the publisher
 never evicts a version with a live lease. The lease is taken by a script that first checks
 the version is still live, so a reader either holds a version that stays on disk or learns
-at once that it is gone. A background thread renews the lease while it is held.
+at once that it is gone. A background thread (an asyncio task in :class:`AsyncWeightsClient`)
+renews the lease while it is held.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
+import redis.asyncio
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -121,10 +125,10 @@ class WeightsClient:
 
     def info(self, version: int) -> VersionInfo:
         """The registry entry of a live version; :class:`VersionGone` if it is not live."""
-        raw = self.redis.hgetall(self.keys.version(version))
-        if not raw or self.redis.zscore(self.keys.versions, version) is None:
-            raise VersionGone(f"version {version} is not live")
-        return VersionInfo.from_fields(version, raw)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.version(version))
+        pipe.zscore(self.keys.versions, version)
+        return _live_info(version, *pipe.execute())
 
     def wait_for_newer(self, version: int, timeout: float, poll: float = 2.0) -> int | None:
         """Wait until ``latest`` exceeds ``version``; None on timeout.
@@ -255,9 +259,7 @@ class WeightsClient:
 
     def report_loaded(self, version: int) -> None:
         """Record in ``{wc}:nodes`` that this node now serves ``version``."""
-        self.redis.hset(
-            self.keys.nodes, self.node_id, json.dumps({"version": version, "at": time.time()})
-        )
+        self.redis.hset(self.keys.nodes, self.node_id, _node_record(version))
 
     def _resolve(self, version: int | VersionInfo) -> VersionInfo:
         info = version if isinstance(version, VersionInfo) else self.info(version)
@@ -300,11 +302,14 @@ class WeightsClient:
         self._verified.update((info.path, n) for n in wanted)
 
     def _take_lease(self, version: int) -> VersionInfo:
-        keys = [self.keys.versions, self.keys.leases(version), self.keys.version(version)]
-        raw = self._lease(keys=keys, args=[version, self.node_id, self.lease_ms])
-        if not raw:
-            raise VersionGone(f"version {version} is no longer live")
-        return VersionInfo.from_fields(version, dict(zip(raw[::2], raw[1::2], strict=True)))
+        keys = self._lease_keys(version)
+        return _leased_info(version, self._lease(keys=keys, args=self._lease_args(version)))
+
+    def _lease_keys(self, version: int) -> list[str]:
+        return [self.keys.versions, self.keys.leases(version), self.keys.version(version)]
+
+    def _lease_args(self, version: int) -> list[int | str]:
+        return [version, self.node_id, self.lease_ms]
 
     def _renew(self, version: int, stop: threading.Event) -> None:
         while not stop.wait(self.lease_ms / 3000):
@@ -315,6 +320,145 @@ class WeightsClient:
                 return
             except redis.RedisError as exc:
                 log.warning("lease renewal failed; retrying", version=version, error=str(exc))
+
+
+class AsyncWeightsClient:
+    """:class:`WeightsClient` for asyncio code: waiting and leasing never block the loop.
+
+    Redis is reached through ``redis.asyncio`` and the lease is renewed by a task. Reading and
+    verifying files (disk-bound) runs in a worker thread, through a :class:`WeightsClient`
+    that is always handed a resolved :class:`VersionInfo`, so it never calls Redis itself.
+    """
+
+    def __init__(
+        self,
+        redis_url: str,
+        namespace: str = "wc",
+        node_id: str = "",
+        weights_root: Path | str | None = None,
+        lease_seconds: float = 30.0,
+    ) -> None:
+        self.files = WeightsClient(redis_url, namespace, node_id, weights_root, lease_seconds)
+        self.keys, self.node_id = self.files.keys, self.files.node_id
+        self.redis = redis.asyncio.Redis.from_url(redis_url)
+        self._lease = self.redis.register_script(_LEASE)
+
+    async def latest(self) -> int:
+        """The newest published version, 0 when none yet."""
+        return int(await self.redis.get(self.keys.latest) or 0)
+
+    async def info(self, version: int) -> VersionInfo:
+        """The registry entry of a live version; :class:`VersionGone` if it is not live."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.keys.version(version))
+        pipe.zscore(self.keys.versions, version)
+        return _live_info(version, *await pipe.execute())
+
+    async def wait_for_newer(self, version: int, timeout: float, poll: float = 2.0) -> int | None:
+        """Wait until ``latest`` exceeds ``version``; None on timeout (see
+        :meth:`WeightsClient.wait_for_newer`). Cancelling the task stops the wait at once."""
+        deadline = time.monotonic() + timeout
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        await pubsub.subscribe(self.keys.events)
+        try:
+            while True:
+                latest = await self.latest()
+                if latest > version:
+                    return latest
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                await pubsub.get_message(timeout=min(remaining, poll))
+        finally:
+            await pubsub.aclose()
+
+    @asynccontextmanager
+    async def lease(self, version: int) -> AsyncIterator[VersionInfo]:
+        """Hold ``version`` while the block runs; raises :class:`VersionGone` if evicted."""
+        info = await self._take_lease(version)
+        renewer = asyncio.create_task(self._renew(version))
+        try:
+            yield info
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            await self.redis.zrem(self.keys.leases(version), self.node_id)
+
+    async def open(self, version: int | VersionInfo) -> Manifest:
+        """See :meth:`WeightsClient.open`."""
+        return await asyncio.to_thread(self.files.open, await self._info(version))
+
+    async def load(self, version: int | VersionInfo) -> dict[str, torch.Tensor]:
+        """See :meth:`WeightsClient.load`."""
+        return await asyncio.to_thread(self.files.load, await self._info(version))
+
+    async def config(self, version: int | VersionInfo) -> dict[str, Any]:
+        """See :meth:`WeightsClient.config`."""
+        return await asyncio.to_thread(self.files.config, await self._info(version))
+
+    async def tensors_for_rank(
+        self,
+        version: int | VersionInfo,
+        tp_rank: int,
+        tp_size: int,
+        *,
+        whole_unfused: bool = False,
+    ) -> list[tuple[str, torch.Tensor]]:
+        """See :meth:`WeightsClient.tensors_for_rank`; all of the rank's tensors at once."""
+        info = await self._info(version)
+        return await asyncio.to_thread(
+            lambda: list(
+                self.files.tensors_for_rank(info, tp_rank, tp_size, whole_unfused=whole_unfused)
+            )
+        )
+
+    async def report_loaded(self, version: int) -> None:
+        """Record in ``{wc}:nodes`` that this node now serves ``version``."""
+        await self.redis.hset(self.keys.nodes, self.node_id, _node_record(version))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+        self.files.redis.close()
+
+    async def _info(self, version: int | VersionInfo) -> VersionInfo:
+        return version if isinstance(version, VersionInfo) else await self.info(version)
+
+    async def _take_lease(self, version: int) -> VersionInfo:
+        reply = await self._lease(
+            keys=self.files._lease_keys(version), args=self.files._lease_args(version)
+        )
+        return _leased_info(version, reply)
+
+    async def _renew(self, version: int) -> None:
+        while True:
+            await asyncio.sleep(self.files.lease_ms / 3000)
+            try:
+                await self._take_lease(version)
+            except VersionGone:
+                log.error("lease lost: the version expired and was evicted", version=version)
+                return
+            except redis.RedisError as exc:
+                log.warning("lease renewal failed; retrying", version=version, error=str(exc))
+
+
+def _node_record(version: int) -> str:
+    """A node's entry in ``{wc}:nodes``: the version it serves, since when."""
+    return json.dumps({"version": version, "at": time.time()})
+
+
+def _live_info(version: int, raw: dict[bytes, bytes], score: float | None) -> VersionInfo:
+    """A version's registry hash, if the version is still in the live set."""
+    if not raw or score is None:
+        raise VersionGone(f"version {version} is not live")
+    return VersionInfo.from_fields(version, raw)
+
+
+def _leased_info(version: int, reply: list[bytes] | None) -> VersionInfo:
+    """The lease script's reply: the version's hash as a flat list, or nothing if evicted."""
+    if not reply:
+        raise VersionGone(f"version {version} is no longer live")
+    return VersionInfo.from_fields(version, dict(zip(reply[::2], reply[1::2], strict=True)))
 
 
 def _check_shape(entry: TensorEntry, tensor: Any) -> None:

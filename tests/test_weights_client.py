@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -21,7 +22,7 @@ from shared.manifest import (
     verify_files,
 )
 from shared.redis_server import RedisServer
-from shared.weights_client import VersionGone, WeightsError
+from shared.weights_client import AsyncWeightsClient, VersionGone, WeightsError
 
 from helpers import REPO, SMALL_GQA, Deployment, hf_state, split_per_rank, weightcast
 from vllm_reference import (
@@ -238,3 +239,56 @@ def test_follow_skips_a_corrupted_version_and_loads_the_next(
     assert follower.wait(timeout=60) == 0
     assert json.loads(deployment.client.hget(deployment.keys.nodes, "n1"))["version"] == 2
     assert deployment.client.zcard(deployment.keys.leases(2)) == 0
+
+
+def test_the_async_client_leases_waits_and_reads_without_blocking_the_loop(
+    deployment: Deployment,
+) -> None:
+    """The asyncio client against the real publisher: its lease task keeps the oldest version
+    through evictions, a wait is woken by the event (and cancellable), and what it reads
+    equals what the thread-based client reads."""
+    reader = AsyncWeightsClient(
+        deployment.redis_url,
+        deployment.keys.namespace,
+        "node-async",
+        deployment.root / "weights",
+        lease_seconds=2.0,
+    )
+
+    async def scenario() -> None:
+        assert await reader.latest() == 0
+        waiting = asyncio.create_task(reader.wait_for_newer(0, timeout=30, poll=30))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(deployment.publish)  # only the pub/sub event can wake it soon
+        assert await asyncio.wait_for(waiting, 10) == 1
+        await asyncio.to_thread(deployment.publish)
+
+        async with reader.lease(1) as info:
+            for _ in range(3):  # 3 s held: alive only because the task renews the lease
+                await asyncio.to_thread(deployment.publish)
+                await asyncio.sleep(1.0)
+            assert 1 in deployment.registry.live_versions()
+            manifest = await reader.open(info)
+            tensors = await reader.load(info)
+            assert (await reader.config(info))["num_attention_heads"] == SHAPE.num_heads
+            rank_tensors = dict(await reader.tensors_for_rank(1, 0, 1))
+        assert deployment.client.zcard(deployment.keys.leases(1)) == 0  # released on exit
+        deployment.evictor.run()
+        assert deployment.registry.live_versions() == [4, 5]
+        with pytest.raises(VersionGone):
+            await reader.info(1)
+
+        expected = deployment.reader().load(5)
+        assert len(tensors) == len(manifest.tensors) == len(expected) == len(rank_tensors)
+        assert all(torch.equal(rank_tensors[name], t) for name, t in tensors.items())
+
+        stuck = asyncio.create_task(reader.wait_for_newer(5, timeout=60))
+        await asyncio.sleep(0.2)
+        stuck.cancel()  # returns at once, not after 60 s
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(stuck, 5)
+        await reader.report_loaded(5)
+        await reader.close()
+
+    asyncio.run(scenario())
+    assert json.loads(deployment.client.hget(deployment.keys.nodes, "node-async"))["version"] == 5
