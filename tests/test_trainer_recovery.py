@@ -399,6 +399,7 @@ def test_async_checkpoint_entries_are_acked_only_once_it_is_complete(
     assert checked and all(applied == trained[:step] for step, applied in read.items())
     assert any(trained[step - 1] in pending_then for step, pending_then in in_flight), in_flight
     assert text.count("resume checkpoint started") >= 40
+    assert heartbeat(client, keys)["checkpoint_step"] == str(state.step)
 
 
 def newest_applied(resume_dir: Path, read: dict[int, list[str]]) -> tuple[int, list[str]]:
