@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shared.keys import TRAINER_GROUP, Keys
 from shared.redis_server import free_port
@@ -411,7 +412,7 @@ def newest_applied(resume_dir: Path, read: dict[int, list[str]]) -> tuple[int, l
         if step not in read:
             try:
                 read[step] = read_train_state(path).applied_ids()
-            except (FileNotFoundError, RuntimeError, ValueError):
+            except (OSError, CheckpointException):
                 continue  # deleted by retention while being read
         return step, read[step]
     raise AssertionError(f"could not read a complete checkpoint in {resume_dir}")
