@@ -415,6 +415,7 @@ class Trainer(ForgeEngine):
             make_durable(self.resume_dir / f"step-{saving.step}")
         _barrier()
         self.batches.ack(saving.entry_ids)
+        _barrier()  # rank 0 trims what every rank has just acknowledged
         trimmed = trim_acknowledged(self.redis, self.keys) if self.trims_stream else 0
         log.info(
             "resume checkpoint",
