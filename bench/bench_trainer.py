@@ -1,19 +1,25 @@
-"""Train-step time with a snapshot every step versus never, as the loop sees it.
+"""Train-step time with a snapshot (or a resume checkpoint) every step, as the loop sees it.
 
 Runs ``weightcast trainer`` as a real process on a private redis-server, with batches
-queued in advance, once with ``--publish-every 1`` and once with no snapshot until the end,
-alternating, ``--repeats`` times per model. A step's time is the loop's own ``seconds``
-(train step, plus copying the weights off the device when a snapshot starts); the first
-``--warmup`` steps of a run are left out. Prints, per model, the median step time of each
-mode (median over runs of the per-run medians) and their ratio.
+queued in advance, alternating two settings ``--repeats`` times per model. ``--compare
+snapshot`` (the default): ``--publish-every 1`` against no snapshot until the end, no resume
+checkpoint until the end. ``--compare checkpoint``: a resume checkpoint every step written
+synchronously (``async_mode = "disabled"``) against one written in the background
+(``"async"``), no snapshot until the end. A step's time is the loop's own ``seconds`` (train
+step, plus copying the weights off the device when a snapshot starts, plus the resume
+checkpoint, or its staging copy when async); the first ``--warmup`` steps of a run are left
+out. Prints, per model, the median step time of each setting (median over runs of the per-run
+medians), their ratio, and for checkpoints the median time a checkpoint took to write.
 
     .venv/bin/python bench/bench_trainer.py                       # tiny and small on CPU
+    .venv/bin/python bench/bench_trainer.py --compare checkpoint
     .venv/bin/python bench/bench_trainer.py --models 0.6B --batch-size 8 --seq-len 2048
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -34,10 +40,30 @@ from trainer.model import flavor_args
 REPO = Path(__file__).resolve().parent.parent
 
 
+SETTINGS = {
+    "snapshot": (("never", False, ""), ("every step", True, "")),
+    "checkpoint": (("sync", False, "disabled"), ("async", False, "async")),
+}
+"""Per comparison, the baseline and the measured setting: name, snapshot every step, and
+the resume checkpoints' ``async_mode`` (every step; "" = only at the end)."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    steps: list[float]  # the loop's step seconds after warm-up
+    skipped: int  # snapshots skipped as the previous write was running
+    checkpoint_seconds: list[float]  # how long each resume checkpoint took to write
+
+
 def run_once(
-    redis_url: str, workdir: Path, model: str, publish_every: int, args: argparse.Namespace
-) -> tuple[list[float], int]:
-    """One trainer run: the step times after warm-up and how many snapshots it skipped."""
+    redis_url: str,
+    workdir: Path,
+    model: str,
+    setting: tuple[str, bool, str],
+    args: argparse.Namespace,
+) -> RunResult:
+    """One trainer run in one setting."""
+    _, snapshots, async_mode = setting
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     producer = BatchProducer(redis_url, namespace, name="bench", max_pending=0)
     generator = torch.Generator().manual_seed(0)
@@ -47,7 +73,10 @@ def run_once(
     run_dir = workdir / namespace
     config = run_dir / "bench.toml"
     run_dir.mkdir(parents=True)
-    config.write_text(f"[trainer.checkpoint]\ninterval = {args.steps + 1}\n")
+    if async_mode:
+        config.write_text(f'[trainer.checkpoint]\ninterval = 1\nasync_mode = "{async_mode}"\n')
+    else:
+        config.write_text(f"[trainer.checkpoint]\ninterval = {args.steps + 1}\n")
     env = {
         **os.environ,
         "WEIGHTCAST_REDIS_URL": redis_url,
@@ -67,7 +96,7 @@ def run_once(
         "--steps",
         str(args.steps),
         "--publish-every",
-        str(publish_every),
+        str(1 if snapshots else args.steps + 1),
         "--seq-len",
         str(args.seq_len),
         "--log-format",
@@ -78,13 +107,16 @@ def run_once(
     if result.returncode != 0:
         raise SystemExit(f"trainer failed:\n{result.stderr[-3000:]}")
     events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
-    steps = [e["seconds"] for e in events if e["event"] == "step"][args.warmup :]
-    skipped = next(e["publish_skipped"] for e in events if e["event"] == "trainer stopped")
-    return steps, skipped
+    return RunResult(
+        steps=[e["seconds"] for e in events if e["event"] == "step"][args.warmup :],
+        skipped=next(e["publish_skipped"] for e in events if e["event"] == "trainer stopped"),
+        checkpoint_seconds=[e["seconds"] for e in events if e["event"] == "resume checkpoint"],
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", choices=sorted(SETTINGS), default="snapshot")
     parser.add_argument("--models", nargs="+", default=["tiny", "small"])
     parser.add_argument("--steps", type=int, default=0, help="steps per run (default by model)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -94,7 +126,12 @@ def main() -> None:
     options = parser.parse_args()
     defaults = {"tiny": (30, 4, 64), "small": (10, 2, 256)}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, cuda={torch.cuda.is_available()}")
-    print("model    params  snapshot  B x T       never (s)  every step (s)  ratio  skipped")
+    base_name, measured_name = (name for name, _, _ in SETTINGS[options.compare])
+    print(
+        f"model    params  snapshot  B x T       {base_name + ' (s)':>10}  "
+        f"{measured_name + ' (s)':>14}  ratio  skipped"
+        + ("  checkpoint write (s)" if options.compare == "checkpoint" else "")
+    )
     with tempfile.TemporaryDirectory() as tmp, RedisServer(Path(tmp) / "redis") as server:
         for model in options.models:
             steps, batch, seq = defaults.get(model, (10, 8, 2048))
@@ -104,15 +141,21 @@ def main() -> None:
                 batch_size=options.batch_size or batch,
                 seq_len=options.seq_len or seq,
             )
-            medians: dict[str, list[float]] = {"never": [], "every": []}
+            medians: dict[str, list[float]] = {base_name: [], measured_name: []}
+            writes: dict[str, list[float]] = {base_name: [], measured_name: []}
             skipped = 0
             for _ in range(options.repeats):
-                for mode, every in (("never", args.steps + 1), ("every", 1)):
-                    times, skips = run_once(server.url, Path(tmp), model, every, args)
-                    medians[mode].append(statistics.median(times))
-                    skipped += skips if mode == "every" else 0
-            never = statistics.median(medians["never"])
-            every = statistics.median(medians["every"])
+                for setting in SETTINGS[options.compare]:
+                    name = setting[0]
+                    result = run_once(server.url, Path(tmp), model, setting, args)
+                    medians[name].append(statistics.median(result.steps))
+                    writes[name].append(statistics.median(result.checkpoint_seconds))
+                    skipped += result.skipped if setting[1] else 0
+            base = statistics.median(medians[base_name])
+            measured = statistics.median(medians[measured_name])
+            written = "  ".join(
+                f"{name} {statistics.median(times):.4f}" for name, times in writes.items()
+            )
             flavor = flavor_args(model)
             params = flavor.vocab_size * flavor.dim + flavor.n_layers * (
                 flavor.dim * flavor.head_dim * (2 * flavor.n_heads + 2 * flavor.n_kv_heads)
@@ -120,8 +163,9 @@ def main() -> None:
             )
             print(
                 f"{model:<8} {params / 1e6:5.0f}M  {params * 2 / 1e9:5.2f} GB  "
-                f"{args.batch_size} x {args.seq_len:<6}  {never:9.4f}  {every:14.4f}  "
-                f"{every / never:5.2f}x  {skipped}/{options.repeats * (args.steps - 1)}"
+                f"{args.batch_size} x {args.seq_len:<6}  {base:10.4f}  {measured:14.4f}  "
+                f"{measured / base:5.2f}x  {skipped}/{options.repeats * (args.steps - 1)}  "
+                + (written if options.compare == "checkpoint" else "")
             )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from shared.keys import TRAINER_GROUP, Keys
 from shared.manifest import Manifest, verify_files
 from shared.snapshots import SnapshotInfo
 
-from helpers import run_torchrun_trainer, run_weightcast
+from helpers import final_train_state, push_batches, run_torchrun_trainer, run_weightcast
 
 pytestmark = pytest.mark.slow
 
@@ -41,3 +42,29 @@ def test_two_ranks_train_their_own_batches_and_write_one_snapshot(
     manifest = Manifest.read(version_dir)
     verify_files(version_dir, manifest)
     assert (manifest.step, manifest.run_id) == (2, run_id)
+
+
+def test_two_ranks_with_async_resume_checkpoints_ack_each_entry_once_checkpointed(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    produced = push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 12)
+    config = tmp_path / "trainer.toml"
+    config.write_text('[trainer.checkpoint]\ninterval = 1\nasync_mode = "async"\n')
+    result = run_torchrun_trainer(
+        cli_env, 2, "--config", str(config), "--steps", "6", "--publish-every", "100"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Five checkpoints were written while the ranks trained on, then the last one at exit.
+    assert result.stderr.count("resume checkpoint started") == 2 * 6
+    acked = [int(n) for n in re.findall(r"resume checkpoint step=\d+ acked=(\d+)", result.stderr)]
+    assert acked == [1] * 12  # per rank and checkpoint: its own entry of that step
+    resume_dir = tmp_path / "checkpoints-resume"
+    state = final_train_state(resume_dir)
+    assert state.step == 6 and sorted(state.applied_ids()) == sorted(produced)
+    assert sorted(p.name for p in (resume_dir / "step-6").glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert client.xpending(keys.batches, TRAINER_GROUP)["pending"] == 0
+    assert client.xlen(keys.batches) == 0

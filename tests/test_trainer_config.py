@@ -49,3 +49,25 @@ def test_flavors_and_their_hf_config() -> None:
     assert shape == (1024, 128, 8)
     assert config["tie_word_embeddings"] is True and config["model_type"] == "qwen3"
     assert hf_config(available["8B"])["tie_word_embeddings"] is False
+
+
+def test_async_resume_checkpoints_are_accepted() -> None:
+    job = build_job_config(TrainerConfig(titan={"checkpoint": {"async_mode": "Async"}}))
+    assert job.checkpoint.async_mode == "async"
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "message"),
+    [
+        ({"async_mode": "async_with_pinned_mem"}, "async_mode 'async_with_pinned_mem' is not"),
+        ({"async_mode": "later"}, "choose one of disabled, async"),
+        ({"keep_latest_k": 1}, "keep_latest_k must be 0 (keep all) or >= 2"),
+        ({"async_mode": "async", "keep_latest_k": 1}, "keep_latest_k must be 0"),
+    ],
+)
+def test_resume_checkpoint_settings_that_could_lose_batches_are_refused(
+    checkpoint: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        build_job_config(TrainerConfig(titan={"checkpoint": checkpoint}))
+    assert message in str(error.value)

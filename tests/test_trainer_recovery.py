@@ -19,9 +19,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from torch.distributed.checkpoint.api import CheckpointException
 
 from shared.keys import TRAINER_GROUP, Keys
 from shared.redis_server import free_port
+from shared.streams import parse_stream_id
+from trainer.resume import newest_checkpoint, read_train_state
 
 from helpers import (
     REPO,
@@ -93,15 +96,21 @@ def assert_each_applied_once_or_dead(
     return list(dead.values())
 
 
+@pytest.mark.parametrize(("async_mode", "kills"), [("disabled", 11), ("async", 10)])
 def test_sigkill_at_random_moments_neither_loses_nor_repeats_a_batch(
-    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+    cli_env: dict[str, str],
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    async_mode: str,
+    kills: int,
 ) -> None:
     produced = push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 100)
     resume_dir = tmp_path / "checkpoints-resume"
     log = tmp_path / "trainer.log"
     args = (
         "--config",
-        config_file(tmp_path, CHECKPOINT_EVERY_2),
+        config_file(tmp_path, f'{CHECKPOINT_EVERY_2}async_mode = "{async_mode}"\n'),
         "--consumer",
         "crashy",
         "--publish-every",
@@ -111,7 +120,7 @@ def test_sigkill_at_random_moments_neither_loses_nor_repeats_a_batch(
     )
     rng = random.Random(3)
     killed_in_checkpoint = []
-    for round_ in range(11):
+    for round_ in range(kills):
         starts = log.read_text().count("trainer started") if log.exists() else 0
         trainer = start_trainer(cli_env, log, *args)
         if round_ % 3 == 0:  # while DCP writes the k-th resume checkpoint of this run
@@ -156,6 +165,7 @@ def test_sigkill_at_random_moments_neither_loses_nor_repeats_a_batch(
     # At least one kill landed inside a resume checkpoint write, and it was recovered.
     assert [name for name in killed_in_checkpoint if name], killed_in_checkpoint
     assert "removed an unfinished resume checkpoint" in log.read_text()
+    assert ("resume checkpoint started" in log.read_text()) == (async_mode == "async")
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
 
 
@@ -332,3 +342,77 @@ def test_an_entry_waiting_for_its_step_is_not_claimed_back_into_the_same_step(
             trainer.kill()
     assert final_train_state(tmp_path / "checkpoints-resume").applied_ids() == [first, second]
     assert pending(client, keys) == 0
+
+
+def test_async_checkpoint_entries_are_acked_only_once_it_is_complete(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """Watch Redis and the resume directory while checkpoints are written in the background.
+
+    At every look, each acknowledged entry is in the newest complete checkpoint; some looks
+    find a checkpoint still being written while the entry it holds is pending; SIGTERM ends
+    with the one in flight complete and acknowledged.
+    """
+    produced = list(push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 60))
+    resume_dir = tmp_path / "checkpoints-resume"
+    log = tmp_path / "trainer.log"
+    config = config_file(tmp_path, '[trainer.checkpoint]\ninterval = 1\nasync_mode = "async"\n')
+    trainer = start_trainer(
+        cli_env, log, "--config", config, "--consumer", "a", "--publish-every", "100"
+    )
+    read: dict[int, list[str]] = {}  # step -> applied ids of that complete checkpoint
+    in_flight: list[tuple[int, set[str]]] = []  # unfinished step-N seen, pending ids then
+    checked = 0
+    try:
+        while int(heartbeat(client, keys).get("step", 0)) < 40:
+            assert trainer.poll() is None, log.read_text()[-3000:]
+            group = client.xinfo_groups(keys.batches)[0]
+            delivered = parse_stream_id(group["last-delivered-id"])
+            rows = client.xpending_range(keys.batches, TRAINER_GROUP, "-", "+", 1000)
+            still_pending = {row["message_id"].decode() for row in rows}
+            acked = {
+                e for e in produced if parse_stream_id(e) <= delivered and e not in still_pending
+            }
+            partial = partial_checkpoint(resume_dir)
+            if partial:
+                in_flight.append((int(partial.removeprefix("step-")), still_pending))
+            if acked:
+                step, applied = newest_applied(resume_dir, read)
+                assert acked <= set(applied), f"acked, not in step-{step}: {acked - set(applied)}"
+                checked += 1
+        trainer.send_signal(signal.SIGTERM)
+        assert trainer.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+
+    text = log.read_text()
+    trained = re.findall(r"step=\d+ .* entries=(\S+)", text)
+    state = final_train_state(resume_dir)
+    assert state.applied_ids() == trained and len(trained) >= 40
+    assert partial_checkpoint(resume_dir) is None
+    still_pending = {
+        row["message_id"].decode()
+        for row in client.xpending_range(keys.batches, TRAINER_GROUP, "-", "+", 10)
+    }
+    assert len(still_pending) <= 1 and not still_pending & set(trained)
+    # Each checkpoint read holds exactly the entries of its steps: the ids at save time.
+    assert checked and all(applied == trained[:step] for step, applied in read.items())
+    assert any(trained[step - 1] in pending_then for step, pending_then in in_flight), in_flight
+    assert text.count("resume checkpoint started") >= 40
+    assert heartbeat(client, keys)["checkpoint_step"] == str(state.step)
+
+
+def newest_applied(resume_dir: Path, read: dict[int, list[str]]) -> tuple[int, list[str]]:
+    """The step and applied ids of the newest complete checkpoint (retried if it is purged)."""
+    for _ in range(10):
+        found = newest_checkpoint(resume_dir)
+        assert found is not None, "entries acknowledged without a complete checkpoint"
+        step, path = found
+        if step not in read:
+            try:
+                read[step] = read_train_state(path).applied_ids()
+            except (OSError, CheckpointException):
+                continue  # deleted by retention while being read
+        return step, read[step]
+    raise AssertionError(f"could not read a complete checkpoint in {resume_dir}")

@@ -126,7 +126,15 @@ def _checkpoints(folder: Path) -> Iterator[tuple[int, Path, bool]]:
 
 
 def make_durable(checkpoint: Path) -> None:
-    """fsync the checkpoint directory and its parent: DCP fsyncs files, not directories."""
+    """fsync the checkpoint directory and its parent: DCP fsyncs files, not directories.
+
+    Refuses a checkpoint without ``.metadata``: its entries must not be acknowledged.
+    """
+    if not (checkpoint / DCP_METADATA).is_file():
+        raise RuntimeError(
+            f"resume checkpoint {checkpoint} has no {DCP_METADATA} after its save returned; "
+            "its entries stay unacknowledged and are trained again after a restart"
+        )
     fsync_path(checkpoint)
     fsync_path(checkpoint.parent)
 

@@ -36,6 +36,8 @@ GAUGES = {
     "snapshots_written": "snapshots written (this process)",
     "snapshot_stage_seconds": "time the loop spent copying weights off the device",
     "snapshot_write_seconds": "background time of the last snapshot write",
+    "checkpoint_step": "step of the newest durable resume checkpoint (its entries acked)",
+    "checkpoint_seconds": "time the newest durable resume checkpoint took to write",
 }
 
 STALL_S = 120.0

@@ -14,6 +14,7 @@ import socket
 import time
 import uuid
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,9 @@ UNBOUNDED_STEPS = 10**9
 
 RESUME_EVERY = 10
 """Default steps between resume checkpoints (torchtitan's ``checkpoint.interval``)."""
+
+ASYNC_MODES = ("disabled", "async")
+"""``[trainer.checkpoint] async_mode`` values: a blocking save, or DCP's async_save in a thread."""
 
 STEP_METRICS = ("loss", "kl", "entropy", "clip_fraction")
 """Per-step figures averaged over the trained tokens of all micro-batches and ranks."""
@@ -104,22 +108,46 @@ def build_job_config(cfg: TrainerConfig, resume_dir: Path | None = None) -> Forg
     job.checkpoint.enable = True
     job.checkpoint.folder = str(resume_dir or Path(job.checkpoint.folder).absolute())
     job.checkpoint.last_save_model_only = False
-    if job.checkpoint.async_mode != "disabled":
+    job.checkpoint.async_mode = job.checkpoint.async_mode.lower()
+    if job.checkpoint.async_mode not in ASYNC_MODES:
         raise ConfigError(
-            "[trainer.checkpoint] async_mode must be 'disabled': batches are acknowledged "
-            "only once their resume checkpoint is durable"
+            f"[trainer.checkpoint] async_mode {job.checkpoint.async_mode!r} is not supported; "
+            f"choose one of {', '.join(ASYNC_MODES)} ('async_with_pinned_mem' needs "
+            "torchtitan's GPU staging path, which weightcast does not drive)"
         )
     if job.checkpoint.interval < 1:
         raise ConfigError("[trainer.checkpoint] interval must be >= 1")
+    if job.checkpoint.keep_latest_k == 1:
+        raise ConfigError(
+            "[trainer.checkpoint] keep_latest_k must be 0 (keep all) or >= 2: the newest "
+            "checkpoint may be unfinished when the trainer dies, and the one before it is "
+            "what it resumes from"
+        )
     return job
+
+
+@dataclasses.dataclass
+class InFlightCheckpoint:
+    """An asynchronous resume checkpoint being written and the entries it alone holds."""
+
+    step: int
+    entry_ids: list[str]
+    future: Future[Any]
+    started: float
+    finished: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(lambda _: setattr(self, "finished", time.perf_counter()))
 
 
 class Trainer(ForgeEngine):
     """torchtitan's engine driven by rollout batches from Redis.
 
     One optimizer step takes ``micro_batches`` stream entries on every DP rank. An entry is
-    acknowledged only once a resume checkpoint holding its update is durable, and the train
-    state in that checkpoint lists it, so a restart neither loses nor repeats it.
+    acknowledged only once a resume checkpoint holding its update is durable and complete on
+    every rank, and the train state in that checkpoint lists it, so a restart neither loses
+    nor repeats it. With ``async_mode = "async"`` the checkpoint is written in the background
+    while training goes on; its entries are acknowledged when every rank reports it done.
     """
 
     def __init__(self, config: Config) -> None:
@@ -160,6 +188,7 @@ class Trainer(ForgeEngine):
         self.resume_every = self.checkpointer.interval
         self.checkpointer.interval = 1
         self.checkpointer.states.pop("dataloader", None)
+        self.in_flight: InFlightCheckpoint | None = None
         self.checkpointed_step = self._resume()
         self.run_id = cfg.run_id or self.train_state.run_id or self._new_run_id()
         self.train_state.run_id = self.run_id
@@ -183,7 +212,7 @@ class Trainer(ForgeEngine):
         self.batches.recover(self.train_state.applied_set)
         self.batches.ack([])  # what the loaded checkpoint holds is durable already
         self.buffer: list[StreamBatch] = []
-        self.to_ack: list[str] = []
+        self.to_ack: list[str] = []  # trained, in no checkpoint started yet
         adapter = self.train_spec.state_dict_adapter(self.model_args, None)
         self.snapshots = SnapshotWriter(
             config.common.checkpoint_dir,
@@ -251,8 +280,9 @@ class Trainer(ForgeEngine):
         """Train until ``steps`` are in the train state or SIGTERM/SIGINT asks to stop.
 
         Every rank takes the same decisions: a flag all-reduce each round says whether
-        to stop, whether every rank has its micro-batches, and (on publish steps) whether
-        a snapshot write is still running anywhere.
+        to stop, whether every rank has its micro-batches, whether an asynchronous resume
+        checkpoint is still being written anywhere, and (on publish steps) whether a
+        snapshot write is still running anywhere.
         """
         self._install_signal_handlers()
         steps = self.cfg.steps
@@ -273,7 +303,10 @@ class Trainer(ForgeEngine):
         while not (steps and self.train_state.step >= steps):
             self._fill()
             waiting = len(self.buffer) < self.cfg.micro_batches
-            stop, waiting = self._agree(self.stop_requested, waiting)
+            saving = self.in_flight is not None and not self.in_flight.future.done()
+            stop, waiting, saving = self._agree(self.stop_requested, waiting, saving)
+            if self.in_flight is not None and not saving:
+                self._settle()  # done on every rank: nothing to wait for
             if stop:
                 break
             if waiting:
@@ -333,7 +366,15 @@ class Trainer(ForgeEngine):
             self.buffer.append(item)
 
     def _checkpoint(self) -> None:
-        """Save a resume checkpoint, make it durable, then acknowledge what it holds."""
+        """Save a resume checkpoint; acknowledge what it holds once it is durable.
+
+        A synchronous save is durable when ``save()`` returns. An asynchronous one takes the
+        entries trained so far with it and is settled later (``run`` sees it done on every
+        rank, or the next checkpoint or the exit waits for it); entries trained meanwhile
+        wait for the next checkpoint. DCP's staging copies every tensor before ``save()``
+        returns, so the checkpoint holds this step's weights and applied ids.
+        """
+        self._settle()
         state = self.train_state
         if state.step == self.checkpointed_step:
             self.batches.ack(self.to_ack)
@@ -342,20 +383,50 @@ class Trainer(ForgeEngine):
         begin = time.perf_counter()
         state.checkpointed()
         self.checkpointer.save(state.step)
-        if self.leader:
-            make_durable(self.resume_dir / f"step-{state.step}")
-        _barrier()
-        self.batches.ack(self.to_ack)
-        trimmed = trim_acknowledged(self.redis, self.keys) if self.trims_stream else 0
-        log.info(
-            "resume checkpoint",
-            step=state.step,
-            acked=len(self.to_ack),
-            trimmed=trimmed,
-            seconds=time.perf_counter() - begin,
+        self.in_flight = InFlightCheckpoint(
+            state.step, self.to_ack, self.checkpointer.save_future or _done(), begin
         )
         self.to_ack = []
         self.checkpointed_step = state.step
+        if self.checkpointer.save_future is None:
+            self._settle()
+        else:
+            log.info(
+                "resume checkpoint started",
+                step=state.step,
+                entries=len(self.in_flight.entry_ids),
+                seconds=time.perf_counter() - begin,
+            )
+
+    def _settle(self) -> None:
+        """Wait for the checkpoint in flight, make it durable, acknowledge what it holds.
+
+        Every rank calls this at the same point. Rank 0's save returns after DCP's
+        ``.metadata``; the barrier after rank 0 checked and fsynced it means no rank
+        acknowledges before the checkpoint is complete and durable.
+        """
+        saving, self.in_flight = self.in_flight, None
+        if saving is None:
+            return
+        saving.future.result()  # a failed save raises: its entries stay pending
+        # result() may return just before the done callback has run: then it is now.
+        seconds = (saving.finished or time.perf_counter()) - saving.started
+        if self.leader:
+            make_durable(self.resume_dir / f"step-{saving.step}")
+        _barrier()
+        self.batches.ack(saving.entry_ids)
+        _barrier()  # rank 0 trims what every rank has just acknowledged
+        trimmed = trim_acknowledged(self.redis, self.keys) if self.trims_stream else 0
+        log.info(
+            "resume checkpoint",
+            step=saving.step,
+            acked=len(saving.entry_ids),
+            trimmed=trimmed,
+            seconds=seconds,
+            acked_after=time.perf_counter() - saving.started,
+            mode=self.job_config.checkpoint.async_mode,
+        )
+        self.telemetry.update(checkpoint_step=saving.step, checkpoint_seconds=seconds)
 
     def _publish(self) -> None:
         """Start a snapshot unless a write is running on any rank (then skip and count it)."""
@@ -395,6 +466,7 @@ class Trainer(ForgeEngine):
             self.snapshots.wait()
             _barrier()
         self._checkpoint()
+        self._settle()
         self._report(force=True)
         log.info(
             "trainer stopped",
@@ -501,6 +573,13 @@ def resume_dir_of(config: Config) -> Path:
         return Path(config.trainer.resume_dir).absolute()
     snapshots = Path(config.common.checkpoint_dir).absolute()
     return snapshots.with_name(f"{snapshots.name}-resume")
+
+
+def _done() -> Future[Any]:
+    """A future already finished: what a synchronous save leaves to wait for."""
+    future: Future[Any] = Future()
+    future.set_result(None)
+    return future
 
 
 def _barrier() -> None:
