@@ -1,12 +1,12 @@
-# The two commands of README.md. Each creates or reuses .venv, installs weightcast there
-# (with torch from $(TORCH_SPEC): the CPU wheel on a CPU machine of this kind) and makes
-# sure a redis-server binary exists.
+# The two commands of README.md, `make up` and `make test`. Each creates or reuses .venv,
+# installs weightcast there with every extra (torch from $(TORCH_SPEC): the CPU wheel on a
+# CPU machine of this kind) and makes sure a redis-server binary exists.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: up test lint setup
+.PHONY: up test test-fast lint setup
 
 up: setup
 	$(BIN)/weightcast up
@@ -14,9 +14,14 @@ up: setup
 test: lint
 	$(BIN)/pytest
 
+# Unit and integration tiers only (no trainer or publisher processes): about a minute.
+test-fast: setup
+	$(BIN)/pytest tests/unit tests/integration -m "not slow"
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/python scripts/check_imports.py
 
 setup: $(VENV)/.installed
 	@./scripts/ensure-redis.sh

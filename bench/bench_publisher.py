@@ -33,10 +33,10 @@ import redis
 import torch
 import torch.distributed.checkpoint as dcp
 
-from shared.durable import fsync_path
-from shared.keys import Keys
-from shared.redis_server import RedisServer
-from shared.snapshots import SnapshotInfo
+from weightcast.contract.durable import fsync_path
+from weightcast.contract.keys import Keys
+from weightcast.contract.snapshots import SnapshotInfo
+from weightcast.local.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,7 +150,7 @@ def bench_shape(name: str, runs: int, root: Path, server: RedisServer, args: arg
         "WEIGHTCAST_WEIGHTS_DIR": str(weights),
     }
     log = open(work / "publisher.log", "wb")  # noqa: SIM115 (closed below)
-    command = [sys.executable, "-m", "shared.cli", "publisher", "--tp", str(args.tp)]
+    command = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(args.tp)]
     command += ["--reader", args.reader, "--rescan-seconds", "30"]
     daemon = subprocess.Popen(
         command,

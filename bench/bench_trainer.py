@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-import trainer  # noqa: F401  (must precede torchtitan: picks the CPU device type)
-from shared.producer import BatchProducer, synthetic_batch
-from shared.redis_server import RedisServer
-from trainer.model import flavor_args
+from weightcast.client.producer import BatchProducer
+from weightcast.local.produce import synthetic_batch
+from weightcast.local.redis_server import RedisServer
+from weightcast.trainer.model import flavor_args
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ def run_once(
     command = [
         sys.executable,
         "-m",
-        "shared.cli",
+        "weightcast",
         "trainer",
         "--config",
         str(config),

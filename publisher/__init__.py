@@ -1,1 +1,1 @@
-"""The publisher daemon: complete snapshots in, registered vllm-fused versions out."""
+"""The publisher daemon: complete snapshots in, verified versions in Redis and on disk out."""

@@ -29,18 +29,8 @@ from typing import Any
 
 import torch
 
-from publisher.dcp_index import Unsupported, check_sizes, index_snapshot
-from publisher.safetensors_writer import OutputTensor, Piece, SourceEnded, write_safetensors
-from publisher.snapshot_reader import (
-    CorruptSnapshot,
-    Snapshot,
-    load_tensors,
-    read_config,
-    read_metadata,
-)
-from publisher.sources import DcpSource, MemorySource, Source
-from shared.durable import fsync_path, publish_dir, write_bytes, write_json
-from shared.layout import (
+from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
+from weightcast.contract.layout import (
     LAYOUT_HF,
     LAYOUT_VLLM_FUSED,
     FusedTensor,
@@ -51,7 +41,7 @@ from shared.layout import (
     plan_vllm_fused,
     rank_slice,
 )
-from shared.manifest import (
+from weightcast.contract.manifest import (
     MANIFEST_NAME,
     FileEntry,
     Manifest,
@@ -59,7 +49,22 @@ from shared.manifest import (
     file_entry,
     sha256_bytes,
 )
-from shared.snapshots import CONFIG_NAME
+from weightcast.contract.snapshots import CONFIG_NAME
+from weightcast.publisher.dcp_index import Unsupported, check_sizes, index_snapshot
+from weightcast.publisher.safetensors_writer import (
+    OutputTensor,
+    Piece,
+    SourceEnded,
+    write_safetensors,
+)
+from weightcast.publisher.snapshot_reader import (
+    CorruptSnapshot,
+    Snapshot,
+    load_tensors,
+    read_config,
+    read_metadata,
+)
+from weightcast.publisher.sources import DcpSource, MemorySource, Source
 
 WEIGHTS_FILE = "model.safetensors"
 HF_INDEX = "model.safetensors.index.json"

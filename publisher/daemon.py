@@ -21,19 +21,24 @@ from typing import Any
 
 import redis
 
-from publisher.converter import LAYOUTS, READERS, TMP_VERSION_PREFIX, ConvertOptions, convert
-from publisher.eviction import Evictor
-from publisher.leader import LeaderLock
-from publisher.metrics import PublisherMetrics
-from publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
-from publisher.snapshot_reader import CorruptSnapshot, Snapshot, complete_snapshots
-from publisher.watcher import SnapshotWatcher
-from shared.config import Config, ConfigError
-from shared.durable import TRASH_PREFIX, remove_dir, sweep
-from shared.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
-from shared.layout import LayoutError
-from shared.logs import get_logger
-from shared.observability import Health, serve
+from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
+from weightcast.contract.errors import ConfigError
+from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
+from weightcast.contract.layout import LayoutError
+from weightcast.publisher.converter import (
+    TMP_VERSION_PREFIX,
+    ConvertOptions,
+    convert,
+)
+from weightcast.publisher.eviction import Evictor
+from weightcast.publisher.leader import LeaderLock
+from weightcast.publisher.metrics import PublisherMetrics
+from weightcast.publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
+from weightcast.publisher.snapshot_reader import CorruptSnapshot, Snapshot, complete_snapshots
+from weightcast.publisher.watcher import SnapshotWatcher
+from weightcast.runtime.config import Config
+from weightcast.runtime.logs import get_logger
+from weightcast.runtime.observability import Health, serve
 
 log = get_logger("publisher")
 
@@ -51,21 +56,6 @@ class NotLeader(RuntimeError):
 class Publisher:
     def __init__(self, config: Config) -> None:
         cfg = config.publisher
-        if cfg.tp < 1:
-            raise ConfigError(f"publisher.tp must be >= 1, got {cfg.tp}")
-        if cfg.layout not in LAYOUTS:
-            raise ConfigError(f"publisher.layout must be one of {', '.join(LAYOUTS)}")
-        if cfg.reader not in READERS:
-            raise ConfigError(
-                f"publisher.reader must be {' or '.join(READERS)}, got {cfg.reader!r}"
-            )
-        for name in ("leader_ttl_seconds", "retry_max_seconds", "rescan_seconds"):
-            if getattr(cfg, name) <= 0:
-                raise ConfigError(f"publisher.{name} must be > 0, got {getattr(cfg, name)}")
-        if cfg.keep_quarantined < 0:
-            raise ConfigError(
-                f"publisher.keep_quarantined must be >= 0, got {cfg.keep_quarantined}"
-            )
         self.cfg = cfg
         self.options = ConvertOptions(cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader)
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
@@ -92,7 +82,7 @@ class Publisher:
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         watcher = SnapshotWatcher(self.checkpoint_dir, poll=self.cfg.poll)
         self._install_signal_handlers(watcher)
-        server = serve(self.cfg.metrics_port, self.metrics.registry, self.health)
+        server = serve(self.cfg.metrics_port, self.health, self.metrics.render)
         watcher.start()
         log.info(
             "publisher started",

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from publisher.snapshot_reader import CorruptSnapshot, read_metadata
+from weightcast.publisher.snapshot_reader import CorruptSnapshot, read_metadata
 
 _LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")
 _LOCAL_MAGIC = b"PK\x03\x04"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import redis
 
-from publisher.converter import version_dir_name
-from shared.durable import remove_dir
-from shared.keys import Keys
+from weightcast.contract.durable import remove_dir
+from weightcast.contract.keys import Keys
+from weightcast.publisher.converter import version_dir_name
 
 _EVICT = """
 local t = redis.call('TIME')
@@ -37,8 +37,6 @@ class EvictionResult:
 
 class Evictor:
     def __init__(self, client: redis.Redis, keys: Keys, weights_dir: Path, keep: int) -> None:
-        if keep < 1:
-            raise ValueError(f"keep must be >= 1, got {keep}")
         self.client = client
         self.keys = keys
         self.weights_dir = weights_dir

@@ -18,10 +18,10 @@ import uuid
 
 import redis
 
-from shared.keys import Keys
-from shared.logs import get_logger
+from weightcast.contract.keys import Keys
+from weightcast.runtime.logs import get_logger
 
-log = get_logger("publisher.leader")
+log = get_logger(__name__)
 
 _RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -44,8 +44,6 @@ class LeaderLock:
     """Take, keep and release the publisher lock of one namespace."""
 
     def __init__(self, client: redis.Redis, keys: Keys, ttl_seconds: float) -> None:
-        if ttl_seconds <= 0:
-            raise ValueError(f"leader TTL must be > 0, got {ttl_seconds}")
         self.client = client
         self.key = keys.publisher_leader
         self.holder = holder_id()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _SECONDS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320)
 
@@ -51,3 +51,7 @@ class PublisherMetrics:
         self.leader = Gauge(
             "weightcast_publisher_leader", "1 while this publisher holds the lock", registry=r
         )
+
+    def render(self) -> bytes:
+        """The metrics in Prometheus' text format, for ``/metrics``."""
+        return generate_latest(self.registry)

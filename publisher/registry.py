@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from shared.keys import Keys
+from weightcast.contract.keys import Keys
 
 NOT_LEADER = -1
 ALREADY_HANDLED = 0

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from shared.manifest import FileEntry
+from weightcast.contract.manifest import FileEntry
 
 BUFFER_BYTES = 16 * 1024 * 1024
 BUFFERS = 4

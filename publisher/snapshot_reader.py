@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from shared.snapshots import CONFIG_NAME, SnapshotInfo, is_complete, snapshot_step
+from weightcast.contract.snapshots import CONFIG_NAME, SnapshotInfo, is_complete, snapshot_step
 
 
 class CorruptSnapshot(ValueError):

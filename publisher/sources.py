@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import torch
 
-from publisher.dcp_index import SourceTensor
-from publisher.safetensors_writer import Columns, FileRange, Piece
+from weightcast.publisher.dcp_index import SourceTensor
+from weightcast.publisher.safetensors_writer import Columns, FileRange, Piece
 
 
 class DcpSource:

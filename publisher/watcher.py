@@ -17,7 +17,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.polling import PollingObserver
 
-from shared.snapshots import SNAPSHOT_PREFIX
+from weightcast.contract.snapshots import SNAPSHOT_PREFIX
 
 
 class _DropShutdownRace(logging.Filter):

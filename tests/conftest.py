@@ -1,4 +1,9 @@
-"""Shared fixtures: a real redis-server on a free loopback port, and the weightcast CLI."""
+"""Shared fixtures and the test tiers.
+
+Tiers by folder: ``unit`` (no processes, no Redis), ``integration`` (a real redis-server on a
+free loopback port, in-process daemons, short CLI processes), ``process`` (real trainer and
+publisher processes, marked ``slow``). ``gpu`` tests are skipped without CUDA.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +15,26 @@ from pathlib import Path
 import pytest
 import redis
 
-from shared.keys import Keys
-from shared.redis_server import RedisServer
+from weightcast.contract.keys import Keys
+from weightcast.local.redis_server import RedisServer
+from weightcast.trainer.device import use_cpu_without_accelerator
+
+use_cpu_without_accelerator()  # before any test module imports torchtitan
 
 REPO = Path(__file__).resolve().parent.parent
+PROCESS_TIER = Path(__file__).resolve().parent / "process"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the process tier ``slow``; skip ``gpu`` tests when CUDA is not available."""
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="needs CUDA; torch sees no GPU here")
+    for item in items:
+        if item.path.is_relative_to(PROCESS_TIER):
+            item.add_marker(pytest.mark.slow)
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
 
 
 @pytest.fixture(scope="session")

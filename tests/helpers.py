@@ -19,16 +19,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 
-from publisher.daemon import Publisher
-from shared.config import load_config
-from shared.keys import Keys
-from shared.layout import ModelShape, rank_slice
-from shared.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
-from shared.producer import BatchProducer, synthetic_batch
-from shared.redis_server import free_port
-from shared.snapshots import SnapshotInfo, snapshot_name
-from shared.weights_client import WeightsClient
-from trainer.resume import TrainState, newest_checkpoint, read_train_state
+from weightcast.client.producer import BatchProducer
+from weightcast.client.weights import WeightsClient
+from weightcast.contract.keys import Keys
+from weightcast.contract.layout import ModelShape, rank_slice
+from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
+from weightcast.contract.snapshots import SnapshotInfo, snapshot_name
+from weightcast.local.produce import synthetic_batch
+from weightcast.publisher.daemon import Publisher
+from weightcast.runtime.config import load_config
+from weightcast.runtime.net import free_port
+from weightcast.trainer.resume import TrainState, newest_checkpoint, read_train_state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -122,7 +123,7 @@ def clean_env() -> dict[str, str]:
 
 def weightcast(*args: str) -> list[str]:
     """argv that runs the weightcast CLI with this interpreter."""
-    return [sys.executable, "-m", "shared.cli", *args]
+    return [sys.executable, "-m", "weightcast", *args]
 
 
 def run_weightcast(
@@ -271,8 +272,8 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 def run_torchrun_trainer(
     env: dict[str, str], nproc: int, *args: str
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node <nproc> -m trainer <args>`` on a free master port."""
-    command = torchrun(nproc, "-m", "trainer", *args)
+    """``torchrun --nproc_per_node <nproc> -m weightcast.trainer <args>`` on a free master port."""
+    command = torchrun(nproc, "-m", "weightcast.trainer", *args)
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 

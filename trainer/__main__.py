@@ -1,8 +1,9 @@
-"""``python -m trainer`` (and ``torchrun -m trainer``) runs ``weightcast trainer``."""
+"""``python -m weightcast.trainer`` (and ``torchrun -m weightcast.trainer``) runs
+``weightcast trainer``."""
 
 import sys
 
-from shared.cli import main
+from weightcast.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main(["trainer", *sys.argv[1:]]))

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import redis
 
-from shared.codec import BatchLimits, InvalidBatch, RolloutBatch, decode_batch
-from shared.keys import TRAINER_GROUP, Keys
-from shared.logs import get_logger
-from shared.streams import dead_letter, ensure_group
+from weightcast.contract.codec import BatchLimits, InvalidBatch, RolloutBatch, decode_batch
+from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.contract.streams import dead_letter, ensure_group
+from weightcast.runtime.logs import get_logger
 
 log = get_logger("trainer.batches")
 

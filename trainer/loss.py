@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shared.codec import RolloutBatch
+from weightcast.contract.codec import RolloutBatch
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from shared.durable import fsync_path, remove_dir
-from shared.snapshots import DCP_METADATA, snapshot_step
-from shared.streams import parse_stream_id
+from weightcast.contract.durable import fsync_path, remove_dir
+from weightcast.contract.snapshots import DCP_METADATA, snapshot_step
+from weightcast.contract.streams import parse_stream_id
 
 STATE_KEY = "train_state"
 """Name ForgeEngine gives the train state in the checkpoint (keys ``train_state.<name>``)."""

@@ -21,11 +21,11 @@ from torch import nn
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
 
-from shared.durable import fsync_path, publish_dir, remove_dir, sweep, write_json
-from shared.logs import get_logger
-from shared.snapshots import CONFIG_NAME, TMP_PREFIX, SnapshotInfo, snapshot_name
+from weightcast.contract.durable import fsync_path, publish_dir, remove_dir, sweep, write_json
+from weightcast.contract.snapshots import CONFIG_NAME, TMP_PREFIX, SnapshotInfo, snapshot_name
+from weightcast.runtime.logs import get_logger
 
-log = get_logger("trainer.snapshot")
+log = get_logger(__name__)
 
 
 class SnapshotWriter:

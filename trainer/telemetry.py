@@ -11,10 +11,10 @@ import time
 from typing import Any
 
 import redis
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from shared.keys import TRAINER_GROUP, Keys
-from shared.observability import Health, ObservabilityServer, serve
+from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.runtime.observability import Health, ObservabilityServer, serve
 
 GAUGES = {
     "step": "optimizer steps in the train state",
@@ -59,7 +59,7 @@ class Telemetry:
         self.fields: dict[str, Any] = {}
         self.last_beat = 0.0
         self.server: ObservabilityServer | None = (
-            serve(port, self.registry, self.health) if leader else None
+            serve(port, self.health, lambda: generate_latest(self.registry)) if leader else None
         )
 
     def update(self, **fields: Any) -> None:

@@ -24,24 +24,25 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.experiments.forge.engine import ForgeEngine
 from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
-from shared.codec import BatchLimits, RolloutBatch
-from shared.config import Config, ConfigError, TrainerConfig
-from shared.keys import Keys
-from shared.logs import get_logger
-from shared.redis_server import free_port
-from shared.streams import trim_acknowledged
-from trainer.batch_source import BatchSource, SourceSettings, StreamBatch
-from trainer.loss import LossSettings, get_loss, policy_entropy, trained_tokens
-from trainer.model import TRAIN_SPEC_NAME, flavor_args, hf_config, register_train_spec
-from trainer.resume import (
+from weightcast.contract.codec import BatchLimits, RolloutBatch
+from weightcast.contract.errors import ConfigError
+from weightcast.contract.keys import Keys
+from weightcast.contract.streams import trim_acknowledged
+from weightcast.runtime.config import Config, TrainerConfig, resume_dir
+from weightcast.runtime.logs import get_logger
+from weightcast.runtime.net import free_port
+from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
+from weightcast.trainer.loss import LossSettings, get_loss, policy_entropy, trained_tokens
+from weightcast.trainer.model import TRAIN_SPEC_NAME, flavor_args, hf_config, register_train_spec
+from weightcast.trainer.resume import (
     TrainState,
     encode_ids,
     make_durable,
     newest_checkpoint,
     remove_partial,
 )
-from trainer.snapshot import SnapshotWriter
-from trainer.telemetry import Telemetry
+from weightcast.trainer.snapshot import SnapshotWriter
+from weightcast.trainer.telemetry import Telemetry
 
 log = get_logger("trainer")
 
@@ -152,13 +153,6 @@ class Trainer(ForgeEngine):
 
     def __init__(self, config: Config) -> None:
         cfg = config.trainer
-        for name in ("publish_every", "micro_batches", "max_deliveries"):
-            if getattr(cfg, name) < 1:
-                raise ConfigError(f"trainer.{name} must be >= 1, got {getattr(cfg, name)}")
-        if cfg.dead_letters_kept < 0:
-            raise ConfigError(
-                f"trainer.dead_letters_kept must be >= 0 (0 keeps all), got {cfg.dead_letters_kept}"
-            )
         for message in _CPU_NOISE:
             warnings.filterwarnings("ignore", message=message)
         try:
@@ -166,7 +160,7 @@ class Trainer(ForgeEngine):
         except ValueError as exc:
             raise ConfigError(f"trainer.loss: {exc}") from None
         register_train_spec()
-        self.resume_dir = resume_dir_of(config)
+        self.resume_dir = resume_dir(config)
         job = build_job_config(cfg, self.resume_dir)
         self.flavor_name = job.model.flavor
         flavor = flavor_args(self.flavor_name)
@@ -543,18 +537,6 @@ class Trainer(ForgeEngine):
         signal.signal(signal.SIGINT, request_stop)
 
 
-def run_trainer(config: Config) -> int:
-    trainer = Trainer(config)
-    try:
-        trainer.run()
-    finally:
-        trainer.telemetry.close()
-        trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    return 0
-
-
 def _default_dist_env() -> None:
     """Outside torchrun, run as a world of one."""
     for name, value in (
@@ -565,14 +547,6 @@ def _default_dist_env() -> None:
     ):
         os.environ.setdefault(name, value)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
-
-
-def resume_dir_of(config: Config) -> Path:
-    """``trainer.resume_dir``, or ``<checkpoint_dir>-resume`` beside the snapshots."""
-    if config.trainer.resume_dir:
-        return Path(config.trainer.resume_dir).absolute()
-    snapshots = Path(config.common.checkpoint_dir).absolute()
-    return snapshots.with_name(f"{snapshots.name}-resume")
 
 
 def _done() -> Future[Any]:

@@ -1,0 +1,140 @@
+"""The ``weightcast`` command: one console script for every process of the pipeline.
+
+Every command's flags come from the settings' declarations (:mod:`weightcast.runtime.config`);
+the daemons are imported only by the command that runs them, so ``weightcast status`` stays
+quick and the core install (no trainer, no publisher) runs every client command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import redis
+
+from weightcast.contract.errors import ConfigError, WeightcastError
+from weightcast.runtime.config import (
+    Config,
+    add_flags,
+    check_writable_dir,
+    flag_overrides,
+    load_config,
+    writable_dirs,
+)
+from weightcast.runtime.logs import configure_logging
+
+COMMANDS = {
+    "up": "run the whole pipeline locally (private redis-server, tiny model, CPU) and exit",
+    "trainer": "train on rollout batches from Redis and write snapshots (torchrun works)",
+    "publisher": "publish complete snapshots as vllm-fused versions and evict old ones",
+    "produce": "push synthetic rollout batches (a stand-in rollout producer)",
+    "follow": "a reference inference node: lease, verify and load each new version",
+    "status": "show versions, leases, nodes, the trainer and the batch queue",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="weightcast",
+        description="Move fresh policy weights from an RL trainer to "
+        "inference nodes through Redis.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, text in COMMANDS.items():
+        command = sub.add_parser(name, help=text, description=text)
+        command.add_argument(
+            "--config",
+            type=Path,
+            metavar="FILE",
+            help="TOML settings file (flags and WEIGHTCAST_* env override it)",
+        )
+        add_flags(command, name)
+        if name == "up":
+            command.add_argument(
+                "--redis-url",
+                dest="redis_url",
+                default=argparse.SUPPRESS,
+                help="use this Redis (under the namespace up-<time> unless "
+                "--namespace is given) instead of a private redis-server",
+            )
+        if name == "status":
+            command.add_argument("--json", action="store_true", help="print JSON")
+            command.add_argument(
+                "--watch",
+                nargs="?",
+                type=float,
+                const=2.0,
+                metavar="SECONDS",
+                help="refresh in place every SECONDS (default 2) until Ctrl-C",
+            )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    prefix = f"weightcast {args.command}"
+    try:
+        config = load_config(args.config, overrides=flag_overrides(args))
+        for name, path in writable_dirs(config, args.command).items():
+            check_writable_dir(Path(path), name)
+        configure_logging(config.common.log_format, config.common.log_level)
+        return _run(args, config)
+    except ConfigError as exc:
+        print(f"{prefix}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except WeightcastError as exc:
+        print(f"{prefix}: {exc}", file=sys.stderr)
+        return 1
+    except redis.ConnectionError as exc:
+        print(
+            f"{prefix}: cannot reach Redis at {config.common.redis_url}: "
+            f"{exc}. Start redis-server or pass --redis-url.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _run(args: argparse.Namespace, config: Config) -> int:
+    if args.command == "up":
+        from weightcast.local.up import UpOptions, run_up
+
+        given = vars(args)
+        options = UpOptions(
+            redis_url=given.get("redis_url"),
+            own_namespace="redis_url" in given and "namespace" not in given,
+            config_file=args.config,
+        )
+        return run_up(config, options)
+    if args.command == "trainer":
+        from weightcast.trainer.main import run_trainer
+
+        return run_trainer(config)
+    if args.command == "publisher":
+        from weightcast.publisher.daemon import run_publisher
+
+        return run_publisher(config)
+    if args.command == "produce":
+        from weightcast.local.produce import run_produce
+
+        return run_produce(config)
+    if args.command == "follow":
+        from weightcast.cli.follow import run_follow
+
+        return run_follow(config)
+    from weightcast.cli.status import collect_status, format_status, watch
+    from weightcast.contract.keys import Keys
+
+    client = redis.Redis.from_url(config.common.redis_url)
+    keys = Keys(config.common.namespace)
+
+    def read() -> dict:
+        return collect_status(client, keys, config.follow.stale_seconds)
+
+    if args.watch is not None:
+        return watch(read, args.watch, args.json)
+    status = read()
+    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    return 0

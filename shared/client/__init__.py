@@ -1,0 +1,1 @@
+"""Clients for the people around the pipeline: rollout producers and inference nodes."""

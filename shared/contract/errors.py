@@ -1,0 +1,42 @@
+"""The errors weightcast raises on purpose, under one base class.
+
+Each says what went wrong and what to do next. The ``weightcast`` command turns a
+:class:`ConfigError` into one line and exit status 2 before any work starts, any other
+:class:`WeightcastError` into one line and exit status 1; anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+
+class WeightcastError(Exception):
+    """Base class of every error weightcast raises on purpose."""
+
+
+class ConfigError(WeightcastError, ValueError):
+    """A setting that cannot be used; the message names the setting and where it came from."""
+
+
+class InvalidBatch(WeightcastError, ValueError):
+    """A rollout batch that breaks the contract; ``reason`` says what to fix."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class WeightsError(WeightcastError, ValueError):
+    """A published version that must not be loaded: the message names the file and the
+    problem (bad path, manifest, header, digest or shape)."""
+
+
+class VersionGone(WeightcastError, LookupError):
+    """The version was evicted before a lease could be taken; ask for the latest again."""
+
+
+class LayoutError(WeightcastError, ValueError):
+    """A model/tp combination or a set of tensors the layout cannot serve."""
+
+
+class RedisUnavailable(WeightcastError, ConnectionError):
+    """Redis did not answer for longer than the process was told to wait for it."""

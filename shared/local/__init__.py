@@ -1,0 +1,1 @@
+"""The loop on one machine: ``weightcast up``, its toy rollout task, a private redis-server."""

@@ -1,0 +1,257 @@
+"""Rollouts for a toy, verifiable RL task: sample from the served policy, score, push.
+
+An inference node running ``weightcast follow --rollout`` is also the rollout producer. For
+each batch it draws random prompts, samples a GRPO group of completions per prompt from the
+newest version it has loaded (transformers' ``Qwen3ForCausalLM`` on CPU, fp32), keeps the
+log-probability of every sampled token (the trainer's ``old_logprobs``), scores each
+completion with :func:`toy_reward`, turns rewards into group-relative advantages and pushes
+the batch tagged with the version it sampled from.
+
+Before version 1 exists there is nothing to load, so version 0 is the uniform policy over the
+vocabulary: its log-probabilities are exact (``-ln V``), so the trainer's importance ratios
+are right from the first batch, and a freshly initialised model is close to it anyway.
+
+The math is in pure functions (:func:`toy_reward`, :func:`group_advantages`,
+:func:`rollout_tensors`); the policies and the loop do the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from weightcast.client.node import Node
+from weightcast.client.producer import BatchProducer
+from weightcast.contract.layout import ModelShape, unfuse
+from weightcast.runtime.config import Config, RolloutConfig
+from weightcast.runtime.logs import get_logger
+
+log = get_logger("rollout")
+
+_IDLE_S = 0.05
+"""How long the rollout loop sleeps when the queue is full (it rechecks versions meanwhile)."""
+
+
+class Policy(Protocol):
+    """Something to sample completions from; ``version`` tags the batches it produces."""
+
+    version: int
+    vocab_size: int
+
+    def sample(
+        self, prompts: torch.Tensor, length: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, length]`` sampled token ids and the log-probability each was sampled with."""
+
+
+@dataclass
+class UniformPolicy:
+    """Version 0: every token equally likely, before any version is published."""
+
+    vocab_size: int
+    version: int = 0
+
+    def sample(
+        self, prompts: torch.Tensor, length: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, self.vocab_size, (prompts.shape[0], length), generator=generator)
+        return tokens, torch.full(tokens.shape, -math.log(self.vocab_size))
+
+
+class ModelPolicy:
+    """A published version in transformers' ``Qwen3ForCausalLM``, sampled with a KV cache."""
+
+    def __init__(self, version: int, config: Mapping[str, Any], hf_tensors: dict[str, Any]):
+        try:
+            from transformers import Qwen3Config, Qwen3ForCausalLM
+        except ImportError as exc:
+            raise ImportError(
+                "the rollout node samples with transformers, which is not installed: "
+                "pip install 'weightcast[demo]'"
+            ) from exc
+
+        self.version = version
+        self.vocab_size = int(config["vocab_size"])
+        hf_config = Qwen3Config.from_dict({**config, "torch_dtype": "float32"})
+        self.model = Qwen3ForCausalLM(hf_config).eval()
+        state = {name: t.float() for name, t in hf_tensors.items()}
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        tied = ["lm_head.weight"] if hf_config.tie_word_embeddings else []
+        if missing != tied or unexpected:
+            raise ValueError(
+                f"version {version} does not fit Qwen3ForCausalLM: missing {missing}, "
+                f"unexpected {unexpected}"
+            )
+
+    @classmethod
+    def from_published(
+        cls, version: int, config: Mapping[str, Any], tensors: dict[str, torch.Tensor], tp: int
+    ) -> ModelPolicy:
+        """Build from a version's ``config.json`` and its vllm-fused tensors."""
+        return cls(version, config, unfuse(tensors, ModelShape.from_hf_config(config), tp))
+
+    @torch.inference_mode()
+    def sample(
+        self, prompts: torch.Tensor, length: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from transformers import DynamicCache
+
+        cache = DynamicCache()  # filled in place; the 4th argument in transformers 4 and 5
+        logits = self.model(prompts.long(), None, None, cache, use_cache=True).logits
+        tokens, logprobs = [], []
+        for _ in range(length):
+            logp = torch.log_softmax(logits[:, -1].float(), dim=-1)
+            token = torch.multinomial(logp.exp(), 1, generator=generator)
+            tokens.append(token)
+            logprobs.append(logp.gather(1, token))
+            logits = self.model(token, None, None, cache, use_cache=True).logits
+        return torch.cat(tokens, dim=1), torch.cat(logprobs, dim=1)
+
+
+def toy_reward(completions: torch.Tensor, target_below: int) -> torch.Tensor:
+    """``[N]`` fraction of each completion's tokens with an id below ``target_below``."""
+    return (completions < target_below).float().mean(dim=1)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: each reward minus its group's mean, over the group's standard deviation.
+
+    Rewards come in consecutive groups of ``group_size`` (one prompt each); a group whose
+    completions all score the same teaches nothing and gets zero advantages.
+    """
+    groups = rewards.view(-1, group_size)
+    centred = groups - groups.mean(dim=1, keepdim=True)
+    return (centred / (groups.std(dim=1, keepdim=True) + eps)).view(-1)
+
+
+def rollout_tensors(
+    prompts: torch.Tensor,
+    completions: torch.Tensor,
+    logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The batch the trainer reads: prompt + completion, trained on the completion only.
+
+    ``prompts`` is ``[N, P]`` (already repeated per group member), the rest ``[N, C]`` and
+    ``[N]``. Every per-token tensor is ``[N, P + C]``, aligned with ``input_ids``.
+    """
+    prompt_len = prompts.shape[1]
+    input_ids = torch.cat([prompts, completions], dim=1).to(torch.int32)
+    loss_mask = torch.zeros(input_ids.shape, dtype=torch.bool)
+    loss_mask[:, prompt_len:] = True
+    old_logprobs = torch.zeros(input_ids.shape, dtype=torch.float32)
+    old_logprobs[:, prompt_len:] = logprobs
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "advantages": advantages.float(),
+        "old_logprobs": old_logprobs,
+    }
+
+
+@dataclass(frozen=True)
+class Rollout:
+    tensors: dict[str, torch.Tensor]
+    reward: float
+    """Mean reward of the batch's completions."""
+
+
+def sample_rollout(policy: Policy, cfg: RolloutConfig, generator: torch.Generator) -> Rollout:
+    """One batch of the toy task from ``policy``."""
+    prompts = torch.randint(
+        0, policy.vocab_size, (cfg.prompts, cfg.prompt_len), generator=generator
+    ).repeat_interleave(cfg.group_size, dim=0)
+    completions, logprobs = policy.sample(prompts, cfg.completion_len, generator)
+    rewards = toy_reward(completions, cfg.target_below)
+    advantages = group_advantages(rewards, cfg.group_size)
+    return Rollout(
+        rollout_tensors(prompts, completions, logprobs, advantages), rewards.mean().item()
+    )
+
+
+class RolloutLoop:
+    """Keeps the trainer fed: when there is room in the queue, sample from the newest policy.
+
+    ``refresh`` returns a newer policy when one has been published (or None), ``has_room``
+    says whether the queue takes another batch, ``push`` sends one.
+    """
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        refresh: Callable[[Policy], Policy | None],
+        has_room: Callable[[], bool],
+        push: Callable[[Rollout, int], str],
+    ) -> None:
+        self.cfg = cfg
+        self.refresh = refresh
+        self.has_room = has_room
+        self.push = push
+        self.policy: Policy = UniformPolicy(cfg.vocab_size)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.batches = 0
+
+    def step(self) -> bool:
+        """Push one batch if the queue has room; False when it had none (caller waits)."""
+        newer = self.refresh(self.policy)
+        if newer is not None:
+            self.policy = newer
+        if not self.has_room():
+            return False
+        start = time.perf_counter()
+        rollout = sample_rollout(self.policy, self.cfg, self.generator)
+        entry = self.push(rollout, self.policy.version)
+        self.batches += 1
+        log.info(
+            "pushed rollout batch",
+            entry=entry,
+            policy_version=self.policy.version,
+            reward=round(rollout.reward, 4),
+            seconds=round(time.perf_counter() - start, 3),
+        )
+        return True
+
+
+def run_rollout_node(config: Config, node: Node, stopping: Callable[[], bool]) -> int:
+    """Load each new version and keep the trainer fed with rollouts from the newest one."""
+    cfg = config.rollout
+    producer = BatchProducer(
+        config.common.redis_url,
+        config.common.namespace,
+        name=node.client.node_id,
+        max_pending=cfg.max_pending,
+        timeout=cfg.timeout,
+    )
+
+    def refresh(policy: Policy) -> Policy | None:
+        latest = node.client.latest()
+        if latest <= max(policy.version, node.seen):
+            return None
+        loaded = node.load(latest)
+        if loaded is None:
+            return None
+        return ModelPolicy.from_published(
+            loaded.version, loaded.config, loaded.tensors, loaded.info.tp
+        )
+
+    def push(rollout: Rollout, version: int) -> str:
+        return producer.push(rollout.tensors, version, reward=rollout.reward)
+
+    loop = RolloutLoop(cfg, refresh, producer.has_room, push)
+    log.info("producing rollouts", max_pending=cfg.max_pending, group_size=cfg.group_size)
+    idle_since = time.monotonic()
+    while not stopping():
+        node.report()
+        if loop.step():
+            idle_since = time.monotonic()
+            continue
+        if time.monotonic() - idle_since > cfg.timeout:
+            raise producer.timed_out(producer.undelivered())
+        time.sleep(_IDLE_S)
+    producer.close()
+    return 0

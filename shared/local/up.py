@@ -1,0 +1,366 @@
+"""``weightcast up``: the whole pipeline on one machine, started, watched and stopped.
+
+It starts a private redis-server (unless given ``--redis-url``), then the publisher, the
+trainer and an inference node that is also the rollout producer (``follow --rollout``), each
+a separate process with its log in the run directory. The node samples from the newest
+version, scores the samples with the toy reward and pushes them; the trainer learns from
+them, so the mean reward per version rises. It exits 0 once the trainer has trained every
+step and the last version is published and loaded by the node; if any process fails it stops
+the others and says which one failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import redis
+
+from weightcast.contract.codec import META_FIELD
+from weightcast.contract.errors import ConfigError
+from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
+from weightcast.local.redis_server import RedisServer
+from weightcast.runtime.config import Config
+
+FOLLOWER_ID = "up-follower"
+STOP_GRACE_S = 20.0
+
+TRAINER_DEFAULTS: dict[str, Any] = {"trainer": {"optimizer": {"lr": 1e-2}}}
+"""What ``up`` gives the trainer unless the ``--config`` file says otherwise: a learning rate
+that makes the tiny model learn the toy task within the default steps."""
+
+
+class StackFailure(RuntimeError):
+    pass
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    may_finish: bool
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join("    " + line for line in text[-lines:])
+
+
+@dataclass
+class Progress:
+    """What ``up`` has seen so far, from pub/sub events, the heartbeat and the nodes hash."""
+
+    published: list[dict] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    step: int = 0
+    follower_version: int = 0
+    rewards: dict[int, list[float]] = field(default_factory=dict)
+    """Mean reward of each rollout batch, by the policy version it was sampled from."""
+    skipped_by_trainer: int = 0
+    """Snapshots the trainer did not start because the previous write was still running."""
+    skipped_by_publisher: int = 0
+    """Snapshots the publisher passed over because a newer one was already complete."""
+    last_entry: str = "0"
+
+    def describe(self, steps: int) -> str:
+        last = self.published[-1] if self.published else None
+        version = (
+            f"v{last['version']} (step {last['step']}, lag {last['lag_s']:.2f}s)" if last else "-"
+        )
+        reward = ""
+        if self.rewards:
+            newest = max(self.rewards)
+            reward = f"  reward {mean(self.rewards[newest]):.3f} (v{newest})"
+        return (
+            f"step {self.step}/{steps}  published {version}  "
+            f"node on v{self.follower_version or '-'}{reward}"
+        )
+
+
+class Stack:
+    def __init__(
+        self, config: Config, run_dir: Path, redis_url: str, config_file: Path | None
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir
+        self.keys = Keys(config.common.namespace)
+        self.redis = redis.Redis.from_url(redis_url)
+        self.children: list[Child] = []
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "WEIGHTCAST_REDIS_URL": redis_url,
+            "WEIGHTCAST_NAMESPACE": config.common.namespace,
+            "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+            "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
+        }
+        self.config_args = [] if config_file is None else ["--config", str(config_file)]
+
+    def start(self, name: str, args: list[str], may_finish: bool = False) -> None:
+        """Run ``weightcast <args>`` as the process ``name``, with the run's settings."""
+        command, *flags = args
+        argv = [sys.executable, "-m", "weightcast", command, *self.config_args, *flags]
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(
+                argv,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.children.append(Child(name, process, log_path, may_finish))
+
+    def check(self) -> bool:
+        """True once the trainer finished; raises :class:`StackFailure` on any failure."""
+        trainer_done = False
+        for child in self.children:
+            code = child.process.poll()
+            if code is None:
+                continue
+            if code == 0 and child.name == "trainer":
+                trainer_done = True
+            elif code != 0 or not child.may_finish:
+                how = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+                raise StackFailure(
+                    f"the {child.name} {how}; last lines of {child.log_path}:\n{child.tail()}"
+                )
+        return trainer_done
+
+    def stop_all(self) -> None:
+        """SIGTERM every process still running, then SIGKILL what outlives the grace period."""
+        running = [c for c in self.children if c.process.poll() is None]
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in running:
+            try:
+                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+
+    def run(self, steps: int, publish_every: int, started: float, timeout: float) -> Progress:
+        """Start the processes and watch them until done; raises :class:`StackFailure`."""
+        pubsub = self.redis.pubsub()
+        pubsub.subscribe(self.keys.events)
+        self.start("publisher", ["publisher", "--rescan-seconds", "1"])
+        self.start(
+            "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
+        )
+        self.start("follower", ["follow", "--node-id", FOLLOWER_ID, "--rollout"])
+        progress = Progress()
+        shown = ""
+        while True:
+            trainer_done = self.check()
+            self.observe(pubsub, progress)
+            state = progress.describe(steps)
+            if state != shown:
+                print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
+                shown = state
+            final = progress.published[-1] if progress.published else None
+            if (
+                trainer_done
+                and final
+                and final["step"] == steps
+                and progress.follower_version == final["version"]
+            ):
+                self.count_skipped(progress)
+                return progress
+            if time.monotonic() - started > timeout:
+                raise StackFailure(f"not done after {timeout:.0f}s: {state}")
+
+    def count_skipped(self, progress: Progress) -> None:
+        """The snapshots skipped under load, from the trainer's last heartbeat and the
+        publisher's record of handled snapshots."""
+        skipped = self.redis.hget(self.keys.trainer_heartbeat, "publish_skipped")
+        progress.skipped_by_trainer = int(skipped or 0)
+        outcomes = self.redis.hvals(self.keys.snapshots)
+        progress.skipped_by_publisher = outcomes.count(SNAPSHOT_SKIPPED.encode())
+
+    def observe(self, pubsub: redis.client.PubSub, progress: Progress) -> None:
+        while message := pubsub.get_message(timeout=0.2):
+            if message["type"] != "message":
+                continue
+            event = json.loads(message["data"])
+            if event["event"] == "published":
+                progress.published.append(event)
+            elif event["event"] == "evicted":
+                progress.evicted.append(event["version"])
+        progress.step = int(self.redis.hget(self.keys.trainer_heartbeat, "step") or 0)
+        node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
+        progress.follower_version = json.loads(node)["version"] if node else 0
+        for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
+            progress.last_entry = entry_id.decode()
+            meta = json.loads(fields.get(META_FIELD.encode(), b"{}"))
+            if isinstance(meta.get("reward"), int | float):
+                progress.rewards.setdefault(meta["policy_version"], []).append(meta["reward"])
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    """What ``up`` takes besides its settings (``[up]``): where Redis is, the user's file."""
+
+    redis_url: str | None = None
+    """A server to use instead of a private one."""
+    own_namespace: bool = False
+    """Use a namespace of this run's own, ``up-<time>`` (on a server that may hold others)."""
+    config_file: Path | None = None
+
+
+def run_up(config: Config, options: UpOptions) -> int:
+    """Run the pipeline for ``up.steps`` training steps; the process exit code."""
+    up = config.up
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = up.workdir.resolve() / stamp
+    run_dir.mkdir(parents=True)
+    if options.own_namespace:
+        config.common.namespace = f"up-{stamp}"
+    steps, redis_url = up.steps, options.redis_url
+    print(
+        f"weightcast up: {steps} steps of {config.trainer.model}, a snapshot every "
+        f"{up.publish_every}; files in {run_dir}",
+        flush=True,
+    )
+    started = time.monotonic()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with contextlib.ExitStack() as resources:
+            if redis_url is None:
+                redis_url = resources.enter_context(RedisServer(run_dir / "redis")).url
+                print(f"started a private redis-server at {redis_url}", flush=True)
+            else:
+                print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
+            config_file = write_run_config(run_dir, options.config_file)
+            stack = Stack(config, run_dir, redis_url, config_file)
+            resources.callback(stack.stop_all)
+            progress = stack.run(steps, up.publish_every, started, up.timeout)
+            dead = stack.redis.xlen(stack.keys.dead_letters)
+    except StackFailure as exc:
+        print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: stopped every process weightcast up started", flush=True)
+        return 130
+    print(summary(progress, steps, time.monotonic() - started, dead, run_dir), flush=True)
+    plot = plot_rewards(progress, run_dir / "reward.png")
+    if plot is not None:
+        print(f"  reward plot: {plot}", flush=True)
+    return 0
+
+
+def write_run_config(run_dir: Path, user_file: Path | None) -> Path:
+    """``up``'s trainer defaults under the user's ``--config`` file, as the run's config."""
+    merged = _merge(TRAINER_DEFAULTS, {})
+    if user_file is not None:
+        try:
+            merged = _merge(merged, tomllib.loads(Path(user_file).read_text()))
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {user_file}: {exc}") from None
+    path = run_dir / "config.toml"
+    path.write_text(to_toml(merged))
+    return path
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def to_toml(table: dict[str, Any], prefix: str = "") -> str:
+    """TOML for a table of scalars, arrays of scalars and sub-tables (what configs hold)."""
+    lines = [
+        f"{key} = {json.dumps(value)}"
+        for key, value in table.items()
+        if not isinstance(value, dict)
+    ]
+    for key, value in table.items():
+        if isinstance(value, dict):
+            name = f"{prefix}{key}"
+            lines += ["", f"[{name}]", to_toml(value, f"{name}.")]
+    return "\n".join(lines)
+
+
+def _interrupt(_signum: int, _frame: object) -> None:
+    """SIGTERM stops ``up`` the way Ctrl-C does: every process it started is stopped."""
+    raise KeyboardInterrupt
+
+
+def summary(
+    progress: Progress, steps: int, seconds: float, dead_letters: int, run_dir: Path
+) -> str:
+    published = progress.published
+    live = sorted({e["version"] for e in published} - set(progress.evicted))
+    lines = [
+        f"weightcast up: done in {seconds:.1f}s",
+        f"  trained {steps} steps; {len(published)} versions published, "
+        f"{len(progress.evicted)} evicted, live: {' '.join(f'v{v}' for v in live)}",
+        f"  snapshots skipped under load: {progress.skipped_by_trainer} by the trainer "
+        f"(previous write still running), {progress.skipped_by_publisher} by the publisher "
+        "(a newer one was complete)",
+        f"  the inference node loaded v{progress.follower_version}; "
+        f"{dead_letters} batches dead-lettered",
+        "  version   step   snapshot -> registered   rollouts   mean reward",
+    ]
+    rows = [(0, None)] + [(e["version"], e) for e in published]
+    for version, event in rows:
+        batches = progress.rewards.get(version, [])
+        if event is None and not batches:
+            continue
+        step = "-" if event is None else str(event["step"])
+        lag = "(uniform start)" if event is None else f"{event['lag_s']:.3f}s"
+        reward = f"{mean(batches):.3f}" if batches else "-"
+        lines.append(f"  v{version:<8} {step:>4}   {lag:<22} {len(batches):>8}   {reward:>11}")
+    sampled = sorted(progress.rewards)
+    if len(sampled) >= 2:
+        first, last = progress.rewards[sampled[0]], progress.rewards[sampled[-1]]
+        lines.append(
+            f"  mean reward: {mean(first):.3f} on v{sampled[0]} -> {mean(last):.3f} "
+            f"on v{sampled[-1]} (toy task: fraction of sampled tokens the reward wants)"
+        )
+    lines.append(f"  logs: {run_dir / 'logs'}")
+    return "\n".join(lines)
+
+
+def plot_rewards(progress: Progress, path: Path) -> Path | None:
+    """A PNG of mean reward per version, when matplotlib is installed (it is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    versions = sorted(progress.rewards)
+    if not versions:
+        return None
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(versions, [mean(progress.rewards[v]) for v in versions], marker="o")
+    axes.set_xlabel("policy version the rollouts were sampled from")
+    axes.set_ylabel("mean reward")
+    axes.set_title("weightcast up: toy task reward")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,1 @@
+"""What every process needs around the contract: settings, structured logs, health."""

@@ -1,0 +1,294 @@
+"""Readers against a real redis-server and real version directories: leases, checks, waits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from weightcast.client.weights import AsyncWeightsClient, VersionGone, WeightsError
+from weightcast.contract.keys import Keys
+from weightcast.contract.layout import LayoutError
+from weightcast.contract.manifest import (
+    verify_files,
+)
+from weightcast.local.redis_server import RedisServer
+
+from helpers import REPO, SMALL_GQA, Deployment, hf_state, split_per_rank, weightcast
+from vllm_reference import (
+    merged_column_parallel_rank,
+    qkv_parallel_rank,
+    row_parallel_rank,
+    vocab_parallel_rank,
+)
+
+SHAPE = SMALL_GQA
+
+
+@pytest.fixture
+def deployment(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
+) -> Deployment:
+    return Deployment(client, keys, tmp_path, redis_server.url)
+
+
+def test_a_leased_version_outlives_newer_versions_until_released(deployment: Deployment) -> None:
+    deployment.publish()
+    deployment.publish()
+    reader = deployment.reader(lease_seconds=3.0)  # renewed by the client while held
+    with reader.lease(1) as info:
+        for _ in range(3):
+            deployment.publish()
+            time.sleep(1.5)  # held 4.5 s in all: alive only because it is renewed
+        # Three newer versions and several eviction passes later v1 is still whole.
+        assert 1 in deployment.registry.live_versions()
+        manifest = reader.open(info)
+        assert len(reader.load(info)) == len(manifest.tensors)
+    assert deployment.registry.live_versions() == [1, 4, 5]
+    deployment.evictor.run()
+    assert deployment.registry.live_versions() == [4, 5]
+    assert not (deployment.root / "weights" / "v1").exists()
+    assert sorted(p.name for p in (deployment.root / "weights").iterdir()) == ["v4", "v5"]
+
+
+def test_an_evicted_version_cannot_be_leased(deployment: Deployment) -> None:
+    for _ in range(3):
+        deployment.publish()
+    with pytest.raises(VersionGone), deployment.reader().lease(1):
+        pass
+
+
+def test_the_lease_of_a_killed_reader_expires(
+    deployment: Deployment, redis_server, keys: Keys
+) -> None:
+    deployment.publish()
+    deployment.publish()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
+        import time
+        from weightcast.client.weights import WeightsClient
+        client = WeightsClient(
+            {redis_server.url!r}, {keys.namespace!r},
+            "doomed-node", {str(deployment.root / "weights")!r}, lease_seconds=5,
+        )
+        with client.lease(1):
+            print("leased", flush=True)
+            time.sleep(600)
+    """),
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "leased"
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deployment.publish()
+    assert 1 in deployment.registry.live_versions()  # the lease has not expired yet
+    deadline = time.monotonic() + 20
+    while 1 in deployment.registry.live_versions():
+        assert time.monotonic() < deadline, "the dead reader's lease never expired"
+        time.sleep(0.2)
+        deployment.evictor.run()
+    assert not (deployment.root / "weights" / "v1").exists()
+
+
+def test_a_path_outside_the_weights_root_is_refused(deployment: Deployment, tmp_path: Path) -> None:
+    deployment.publish()
+    deployment.client.hset(deployment.keys.version(1), "path", str(tmp_path / "elsewhere"))
+    reader = deployment.reader()
+    with reader.lease(1) as info, pytest.raises(WeightsError, match="outside the weights root"):
+        reader.open(info)
+
+
+def test_a_corrupted_file_fails_verification_naming_the_file(deployment: Deployment) -> None:
+    deployment.publish()
+    weights = deployment.root / "weights" / "v1" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    reader = deployment.reader()
+    with reader.lease(1) as info, pytest.raises(WeightsError, match=r"model\.safetensors: sha256"):
+        reader.open(info)
+
+
+def test_wait_for_newer_wakes_on_the_event_and_survives_a_lost_one(
+    deployment: Deployment,
+) -> None:
+    reader = deployment.reader()
+    assert reader.wait_for_newer(0, timeout=0.3, poll=0.1) is None
+    publisher = threading.Timer(0.3, deployment.publish)
+    publisher.start()
+    start = time.monotonic()
+    assert reader.wait_for_newer(0, timeout=20, poll=10) == 1  # the pub/sub event wakes it
+    assert time.monotonic() - start < 8
+    publisher.join()  # its last Redis call may come after the event
+    # A version whose event never arrives (latest set without PUBLISH) is still found by polling.
+    deployment.client.set(deployment.keys.latest, 2)
+    assert reader.wait_for_newer(1, timeout=5, poll=0.2) == 2
+
+
+def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
+    deployment.publish()
+    reader = deployment.reader()
+    assert reader.latest() == 1
+    with reader.lease(1) as info:
+        manifest = reader.open(info)
+        verify_files(info.path, manifest)
+        tensors = reader.load(info)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
+    reader.report_loaded(1)
+    assert b"node-a" in deployment.client.hkeys(deployment.keys.nodes)
+    assert deployment.client.zcard(deployment.keys.leases(1)) == 0  # released on exit
+
+
+def vllm_rank(name: str, state: dict[str, torch.Tensor], tp: int, rank: int) -> torch.Tensor:
+    """What vLLM's own loaders put on ``rank`` for the fused or plain tensor ``name``."""
+    if ".qkv_proj." in name:
+        q, k, v = (state[name.replace("qkv_proj", f"{x}_proj")] for x in "qkv")
+        return qkv_parallel_rank(
+            q, k, v, SHAPE.num_heads, SHAPE.num_kv_heads, SHAPE.head_dim, tp, rank
+        )
+    if ".gate_up_proj." in name:
+        gate, up = (state[name.replace("gate_up_proj", f"{x}_proj")] for x in ("gate", "up"))
+        return merged_column_parallel_rank(gate, up, tp, rank)
+    if name == "model.embed_tokens.weight":
+        rows = vocab_parallel_rank(state[name], tp, rank)
+        start = min(rank * rows.shape[0], SHAPE.vocab_size)
+        return rows[: min(SHAPE.vocab_size - start, rows.shape[0])]  # padding is not published
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return row_parallel_rank(state[name], tp, rank)
+    return state[name]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tensors_for_rank_give_vllms_rank_tensors_from_fused_and_per_rank_files(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer, tp: int
+) -> None:
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=tp)
+    fused = deployment.publish()
+    per_rank = split_per_rank(deployment, fused)
+    state = hf_state(SHAPE, torch.bfloat16)  # what write_snapshot published
+    reader = deployment.reader()
+    for rank in range(tp):
+        from_fused = dict(reader.tensors_for_rank(fused, rank, tp))
+        from_split = dict(reader.tensors_for_rank(per_rank, rank, tp))
+        assert from_fused.keys() == from_split.keys() and len(from_fused) > 10
+        for name, tensor in from_fused.items():
+            expected = vllm_rank(name, state, tp, rank)
+            assert torch.equal(tensor, expected), (name, rank)
+            assert torch.equal(from_split[name], expected), (name, rank)
+    if tp > 1:
+        with pytest.raises(LayoutError, match=f"fused for tp={tp} cannot serve tp=1"):
+            next(reader.tensors_for_rank(fused, 0, 1))
+        with pytest.raises(LayoutError, match=f"per-rank files for tp={tp}"):
+            next(reader.tensors_for_rank(per_rank, 0, 2 * tp))
+
+
+def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=2)
+    per_rank = split_per_rank(deployment, deployment.publish())
+    target = tmp_path / "weights" / "v1-per-rank" / "model-rank-01-of-02.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-1] ^= 0xFF
+    target.write_bytes(bytes(data))
+    reader = deployment.reader()
+    assert len(dict(reader.tensors_for_rank(per_rank, 0, 2))) > 10  # rank 0 never touches it
+    with pytest.raises(WeightsError, match=r"model-rank-01-of-02\.safetensors: sha256"):
+        next(reader.tensors_for_rank(per_rank, 1, 2))
+    with pytest.raises(WeightsError, match="per-rank files"):
+        reader.load(per_rank)
+
+
+@pytest.mark.slow
+def test_follow_skips_a_corrupted_version_and_loads_the_next(
+    deployment: Deployment, cli_env: dict[str, str]
+) -> None:
+    deployment.publish()
+    weights = deployment.root / "weights" / "v1" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
+    follower = subprocess.Popen(
+        weightcast("follow", "--node-id", "n1", "--poll-seconds", "0.2", "--until-version", "2"),
+        env={**cli_env, "WEIGHTCAST_WEIGHTS_DIR": str(deployment.root / "weights")},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    for line in follower.stdout:
+        if "refusing version" in line:
+            assert "model.safetensors" in line
+            break
+    assert deployment.client.hget(deployment.keys.nodes, "n1") is None  # v1 never served
+    deployment.publish()
+    assert follower.wait(timeout=60) == 0
+    assert json.loads(deployment.client.hget(deployment.keys.nodes, "n1"))["version"] == 2
+    assert deployment.client.zcard(deployment.keys.leases(2)) == 0
+
+
+def test_the_async_client_leases_waits_and_reads_without_blocking_the_loop(
+    deployment: Deployment,
+) -> None:
+    """The asyncio client against the real publisher: its lease task keeps the oldest version
+    through evictions, a wait is woken by the event (and cancellable), and what it reads
+    equals what the thread-based client reads."""
+    reader = AsyncWeightsClient(
+        deployment.redis_url,
+        deployment.keys.namespace,
+        "node-async",
+        deployment.root / "weights",
+        lease_seconds=2.0,
+    )
+
+    async def scenario() -> None:
+        assert await reader.latest() == 0
+        waiting = asyncio.create_task(reader.wait_for_newer(0, timeout=30, poll=30))
+        await asyncio.sleep(0.2)
+        await asyncio.to_thread(deployment.publish)  # only the pub/sub event can wake it soon
+        assert await asyncio.wait_for(waiting, 10) == 1
+        await asyncio.to_thread(deployment.publish)
+
+        async with reader.lease(1) as info:
+            for _ in range(3):  # 3 s held: alive only because the task renews the lease
+                await asyncio.to_thread(deployment.publish)
+                await asyncio.sleep(1.0)
+            assert 1 in deployment.registry.live_versions()
+            manifest = await reader.open(info)
+            tensors = await reader.load(info)
+            assert (await reader.config(info))["num_attention_heads"] == SHAPE.num_heads
+            rank_tensors = dict(await reader.tensors_for_rank(1, 0, 1))
+        assert deployment.client.zcard(deployment.keys.leases(1)) == 0  # released on exit
+        deployment.evictor.run()
+        assert deployment.registry.live_versions() == [4, 5]
+        with pytest.raises(VersionGone):
+            await reader.info(1)
+
+        expected = deployment.reader().load(5)
+        assert len(tensors) == len(manifest.tensors) == len(expected) == len(rank_tensors)
+        assert all(torch.equal(rank_tensors[name], t) for name, t in tensors.items())
+
+        stuck = asyncio.create_task(reader.wait_for_newer(5, timeout=60))
+        await asyncio.sleep(0.2)
+        stuck.cancel()  # returns at once, not after 60 s
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(stuck, 5)
+        await reader.report_loaded(5)
+        await reader.close()
+
+    asyncio.run(scenario())
+    assert json.loads(deployment.client.hget(deployment.keys.nodes, "node-async"))["version"] == 5

@@ -1,0 +1,304 @@
+"""The publisher process under real failures: SIGKILL at random moments, a second publisher
+taking over, Redis restarted mid-stream, a full filesystem."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import random
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from weightcast.contract.keys import Keys
+from weightcast.contract.layout import ModelShape
+from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.snapshots import SnapshotInfo
+from weightcast.local.redis_server import RedisServer
+from weightcast.runtime.net import free_port
+
+from helpers import REPO, hf_state, publish_snapshot, shape_of, weightcast
+
+SMALL = shape_of(4, 2, 8, hidden=16, inter=32)
+# About 95 MB in bf16: converting and fsyncing it takes long enough for kills to land in it.
+CRASH_SHAPE = ModelShape(
+    num_layers=12,
+    hidden_size=512,
+    intermediate_size=2048,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=64,
+    vocab_size=1024,
+    tie_word_embeddings=True,
+)
+
+
+class Daemon:
+    """``weightcast publisher`` as a process with its log in a file."""
+
+    def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
+        self.log = log
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(
+                weightcast("publisher", *args),
+                env=env,
+                cwd=REPO,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+    def stop(self) -> int:
+        self.process.terminate()
+        return self.process.wait(timeout=30)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+
+def wait_for(condition: Callable[[], object], what: str, daemon: Daemon, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert daemon.alive(), f"publisher exited while waiting for {what}:\n{daemon.text()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{daemon.text()}"
+        time.sleep(0.1)
+    return result
+
+
+def env_for(url: str, keys: Keys, root: Path, **settings: object) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WEIGHTCAST_REDIS_URL": url,
+        "WEIGHTCAST_NAMESPACE": keys.namespace,
+        "WEIGHTCAST_CHECKPOINT_DIR": str(root / "checkpoints"),
+        "WEIGHTCAST_WEIGHTS_DIR": str(root / "weights"),
+    }
+    env |= {f"WEIGHTCAST_PUBLISHER_{k.upper()}": str(v) for k, v in settings.items()}
+    return env
+
+
+def handled(client: redis.Redis, keys: Keys) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(keys.snapshots).items()}
+
+
+def snapshot_id(path: Path) -> str:
+    return SnapshotInfo.read(path).snapshot_id
+
+
+def assert_registered_versions_are_whole(client: redis.Redis, keys: Keys) -> list[int]:
+    live = [int(v) for v in client.zrange(keys.versions, 0, -1)]
+    for version in live:
+        path = Path(client.hget(keys.version(version), "path").decode())
+        verify_files(path, Manifest.read(path))
+    if live:
+        assert int(client.get(keys.latest)) == live[-1]
+    return live
+
+
+def published_events(pubsub: redis.client.PubSub) -> list[dict]:
+    events = []
+    while message := pubsub.get_message(timeout=0.5):
+        if message["type"] == "message":
+            event = json.loads(message["data"])
+            if event["event"] == "published":
+                events.append(event)
+    return events
+
+
+def test_sigkill_at_random_moments_never_leaves_a_partial_or_duplicate_version(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    pubsub = client.pubsub()
+    pubsub.subscribe(keys.events)
+    env = env_for(redis_server.url, keys, tmp_path, rescan_seconds=0.2, leader_ttl_seconds=1)
+    checkpoints, weights = tmp_path / "checkpoints", tmp_path / "weights"
+    state = hf_state(CRASH_SHAPE, torch.bfloat16)
+    rng = random.Random(4)
+    left_behind: collections.Counter[str] = collections.Counter()
+    ids = []
+    kills = 22
+    for step in range(1, kills + 1):
+        ids.append(snapshot_id(publish_snapshot(checkpoints, step, CRASH_SHAPE, state)))
+        daemon = Daemon(env, tmp_path / f"publisher-{step}.log")
+        if step % 4 == 0:
+            time.sleep(rng.uniform(0.1, 2.0))  # while starting up
+        else:  # once it leads: scanning, converting, fsyncing, registering or evicting
+            wait_for(lambda d=daemon: "became the active publisher" in d.text(), "lead", daemon)
+            time.sleep(rng.uniform(0.0, 0.8))
+        daemon.kill()
+        live = assert_registered_versions_are_whole(client, keys)
+        for entry in weights.iterdir() if weights.exists() else []:
+            kind = entry.name.split("-")[0].rstrip("0123456789")
+            left_behind[
+                kind
+                if kind != "v"
+                else "unregistered v"
+                if entry.name[1:] not in map(str, live)
+                else "live v"
+            ] += 1
+    print("left behind by the kills:", dict(left_behind))
+
+    daemon = Daemon(env, tmp_path / "final.log")
+    wait_for(lambda: "became the active publisher" in daemon.text(), "start-up", daemon)
+    wait_for(lambda: ids[-1] in handled(client, keys), "the last snapshot", daemon)
+    assert daemon.stop() == 0
+
+    # No partial version anywhere: Redis names whole directories and only those exist.
+    live = assert_registered_versions_are_whole(client, keys)
+    assert sorted(p.name for p in weights.iterdir()) == sorted(f"v{v}" for v in live)
+    assert not [p for p in checkpoints.iterdir() if p.name.startswith((".trash-", ".tmp-"))]
+
+    # Each snapshot published at most once, versions never repeat, the newest two kept.
+    events = published_events(pubsub)
+    versions = [e["version"] for e in events]
+    published_ids = [e["snapshot_id"] for e in events]
+    assert len(set(published_ids)) == len(published_ids)
+    assert versions == sorted(set(versions))
+    assert live == versions[-2:]
+    outcomes = handled(client, keys)
+    assert set(outcomes) == set(ids)
+    for event in events:
+        assert outcomes[event["snapshot_id"]] == str(event["version"])
+    assert int(client.get(keys.next_version)) >= versions[-1]
+
+
+def test_a_standby_takes_over_when_the_leader_is_killed(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    pubsub = client.pubsub()
+    pubsub.subscribe(keys.events)
+    env = env_for(redis_server.url, keys, tmp_path, rescan_seconds=0.3, leader_ttl_seconds=2)
+    first = Daemon(env, tmp_path / "first.log")
+    wait_for(lambda: client.get(keys.publisher_leader), "a leader", first)
+    second = Daemon(env, tmp_path / "second.log")
+    try:
+        wait_for(lambda: "standing by" in second.text(), "the standby", second)
+        publish_snapshot(tmp_path / "checkpoints", 1, SMALL)
+        wait_for(lambda: client.get(keys.latest), "version 1", first)
+        assert "published version" in first.text() and "published version" not in second.text()
+
+        first.kill()
+        publish_snapshot(tmp_path / "checkpoints", 2, SMALL)
+        wait_for(lambda: int(client.get(keys.latest)) == 2, "the standby's version", second)
+        assert "became the active publisher" in second.text()
+        assert str(second.process.pid) in client.get(keys.publisher_leader).decode()
+    finally:
+        for daemon in (first, second):
+            if daemon.alive():
+                daemon.stop()
+    events = published_events(pubsub)
+    assert [e["version"] for e in events] == [1, 2]
+    assert [e["step"] for e in events] == [1, 2]
+    assert len({e["snapshot_id"] for e in events}) == 2
+
+
+def healthz(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_redis_restart_mid_stream_is_ridden_out(keys: Keys, tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    client = redis.Redis.from_url(server.url)
+    port = free_port()
+    env = env_for(
+        server.url,
+        keys,
+        tmp_path,
+        rescan_seconds=0.3,
+        retry_max_seconds=1,
+        leader_ttl_seconds=2,
+        metrics_port=port,
+    )
+    daemon = Daemon(env, tmp_path / "publisher.log")
+    checkpoints = tmp_path / "checkpoints"
+    try:
+        ids = [snapshot_id(publish_snapshot(checkpoints, 1, SMALL))]
+        wait_for(lambda: client.get(keys.latest), "version 1", daemon)
+        assert wait_for(lambda: healthz(port) == 200, "healthy", daemon)
+
+        server.stop()
+        wait_for(lambda: healthz(port) == 503, "unhealthy while Redis is down", daemon)
+        ids += [snapshot_id(publish_snapshot(checkpoints, s, SMALL)) for s in (2, 3)]
+        wait_for(lambda: daemon.text().count("Redis unreachable") >= 3, "retries", daemon)
+        assert not [p for p in (tmp_path / "weights").iterdir() if p.name.startswith(".tmp")]
+
+        server.start()
+        wait_for(lambda: ids[-1] in handled(client, keys), "the pending snapshot", daemon)
+        wait_for(lambda: healthz(port) == 200, "healthy again", daemon)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            metrics = reply.read().decode()
+        assert 'weightcast_publisher_errors_total{kind="redis"}' in metrics
+        assert 'weightcast_versions_published_total{reader="byte-range"} 2.0' in metrics
+        assert "weightcast_publish_lag_seconds_count 2.0" in metrics
+        assert daemon.stop() == 0
+        outcomes = handled(client, keys)
+        assert outcomes[ids[0]] == "1" and outcomes[ids[1]] == "skipped"
+        assert int(outcomes[ids[2]]) > 1
+        live = assert_registered_versions_are_whole(client, keys)
+        assert live == [1, int(outcomes[ids[2]])]
+        assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == [f"v{v}" for v in live]
+    finally:
+        if daemon.alive():
+            daemon.kill()
+        server.stop()
+
+
+def test_a_full_disk_registers_nothing_and_retries_until_space_is_freed(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(weights)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.fail(
+            "this test needs to mount a small tmpfs (run it as root or with CAP_SYS_ADMIN): "
+            + mounted.stderr
+        )
+    shape = ModelShape(2, 256, 1024, 4, 2, 64, 1024, True)  # about 4.4 MB: does not fit
+    env = env_for(redis_server.url, keys, tmp_path, rescan_seconds=0.3, retry_max_seconds=2)
+    daemon = Daemon(env, tmp_path / "publisher.log")
+    try:
+        publish_snapshot(tmp_path / "checkpoints", 1, shape)
+        wait_for(lambda: daemon.text().count("filesystem error") >= 3, "retries", daemon)
+        time.sleep(0.3)  # between two attempts (the back-off is now 2 s)
+        assert client.get(keys.latest) is None
+        assert list(weights.iterdir()) == []  # the temp directory was removed
+        assert "No space left on device" in daemon.text()
+
+        subprocess.run(["mount", "-o", "remount,size=64m", str(weights)], check=True)
+        wait_for(lambda: client.get(keys.latest), "the version once space is freed", daemon)
+        assert daemon.stop() == 0
+        assert_registered_versions_are_whole(client, keys)
+        retries = [
+            json.loads(line.split("retry_in=")[1].split()[0])
+            for line in daemon.text().splitlines()
+            if "filesystem error" in line
+        ]
+        assert retries[:3] == [0.5, 1.0, 2.0]  # exponential back-off, capped
+    finally:
+        if daemon.alive():
+            daemon.kill()
+        subprocess.run(["umount", str(weights)], check=False)

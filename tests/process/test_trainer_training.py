@@ -1,0 +1,133 @@
+"""What the trainer computes and writes: accumulated steps, FSDP snapshots, example configs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from weightcast.client.producer import BatchProducer
+from weightcast.contract.keys import Keys
+from weightcast.runtime.config import load_config, resume_dir
+from weightcast.trainer.model import TRAIN_SPEC_NAME
+from weightcast.trainer.worker import build_job_config
+
+from helpers import (
+    REPO,
+    checkpoint_model,
+    final_train_state,
+    push_batches,
+    run_torchrun_trainer,
+    run_weightcast,
+)
+
+EXAMPLES = REPO / "examples"
+
+
+def rollout(generator: torch.Generator, rows: int, trained: int) -> dict[str, torch.Tensor]:
+    """``rows`` sequences of 16 tokens whose last ``trained`` tokens are the response."""
+    mask = torch.zeros(rows, 16, dtype=torch.bool)
+    mask[:, 16 - trained :] = True
+    return {
+        "input_ids": torch.randint(0, 1024, (rows, 16), generator=generator),
+        "loss_mask": mask,
+        "advantages": torch.randn(rows, generator=generator),
+        "old_logprobs": -5 - torch.rand(rows, 16, generator=generator),
+    }
+
+
+def with_namespace(env: dict[str, str], tmp_path: Path, name: str) -> dict[str, str]:
+    return {
+        **env,
+        "WEIGHTCAST_NAMESPACE": f"{env['WEIGHTCAST_NAMESPACE']}-{name}",
+        "WEIGHTCAST_CHECKPOINT_DIR": str(tmp_path / name / "checkpoints"),
+        "WEIGHTCAST_WEIGHTS_DIR": str(tmp_path / name / "weights"),
+    }
+
+
+def test_micro_batches_accumulate_into_the_update_of_one_big_batch(
+    cli_env: dict[str, str], client: redis.Redis, tmp_path: Path
+) -> None:
+    generator = torch.Generator().manual_seed(0)
+    # Different lengths: 2 x 12 and 3 x 3 trained tokens, so equal weights would be wrong.
+    small = [rollout(generator, 2, 12), rollout(generator, 3, 3)]
+    big = {name: torch.cat([b[name] for b in small]) for name in small[0]}
+    # eps = lr makes AdamW's first update proportional to the gradient, not just its sign.
+    config = tmp_path / "linear.toml"
+    config.write_text(
+        "[trainer.optimizer]\nlr = 10.0\neps = 10.0\nweight_decay = 0.0\n"
+        "[trainer.training]\nmax_norm = 1e9\n"
+    )
+    results = {}
+    for name, batches, micro in (("accumulated", small, "2"), ("one", [big], "1")):
+        env = with_namespace(cli_env, tmp_path, name)
+        producer = BatchProducer(
+            env["WEIGHTCAST_REDIS_URL"], env["WEIGHTCAST_NAMESPACE"], max_pending=0
+        )
+        for tensors in batches:
+            producer.push(tensors, 0)
+        result = run_weightcast(
+            env, "trainer", "--config", str(config), "--micro-batches", micro, "--steps", "1"
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        state = final_train_state(tmp_path / name / "checkpoints-resume")
+        assert (state.step, len(state.applied_ids())) == (1, len(batches))
+        results[name] = checkpoint_model(tmp_path / name / "checkpoints-resume" / "step-1")
+
+    accumulated, one = results["accumulated"], results["one"]
+    assert accumulated.keys() == one.keys() and accumulated
+    for key in one:
+        torch.testing.assert_close(accumulated[key], one[key], rtol=1e-4, atol=1e-6)
+
+
+def test_fsdp_snapshot_publishes_the_same_bytes_as_a_single_process_one(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 1)
+    single = run_weightcast(cli_env, "trainer", "--steps", "1")
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    # Two ranks resume the same weights (resharded by DCP) and snapshot them with FSDP.
+    fsdp_env = with_namespace(cli_env, tmp_path, "fsdp")
+    shutil.copytree(tmp_path / "checkpoints-resume", tmp_path / "fsdp" / "checkpoints-resume")
+    ranks = run_torchrun_trainer(fsdp_env, 2, "--steps", "1")
+    assert ranks.returncode == 0, ranks.stderr[-3000:]
+    snapshot = tmp_path / "fsdp" / "checkpoints" / "step-1"
+    assert sorted(p.name for p in snapshot.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    published = {}
+    for env, root in ((cli_env, tmp_path), (fsdp_env, tmp_path / "fsdp")):
+        result = run_weightcast(env, "publisher", "--once")
+        assert result.returncode == 0, result.stderr[-3000:]
+        (version,) = (root / "weights").iterdir()
+        published[root] = {
+            p.relative_to(version): p.read_bytes()
+            for p in sorted(version.rglob("*"))
+            if p.is_file() and p.name != "manifest.json"
+        }
+    single_files, fsdp_files = published.values()
+    assert any(name.suffix == ".safetensors" for name in single_files)
+    assert single_files.keys() == fsdp_files.keys()
+    for name in single_files:
+        assert single_files[name] == fsdp_files[name], f"{name} differs"
+
+
+@pytest.mark.parametrize("example", ["tiny-cpu.toml", "qwen3-0.6b-gpu.toml"])
+def test_example_configs_load_and_build_a_torchtitan_job(example: str) -> None:
+    config = load_config(EXAMPLES / example, env={})
+    job = build_job_config(config.trainer, resume_dir(config))
+    assert job.model.name == TRAIN_SPEC_NAME
+    assert job.model.flavor == {"tiny-cpu.toml": "tiny", "qwen3-0.6b-gpu.toml": "0.6B"}[example]
+    assert job.checkpoint.enable and job.checkpoint.keep_latest_k == 2
+    assert Path(job.checkpoint.folder).is_absolute()
+    assert job.training.seq_len == config.trainer.seq_len
+    assert config.trainer.titan["optimizer"]["lr"] == job.optimizer.lr
+
+
+def test_a_loss_that_cannot_be_loaded_is_a_configuration_error(cli_env: dict[str, str]) -> None:
+    result = run_weightcast(cli_env, "trainer", "--loss", "no_such_package_xyz:loss")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "trainer.loss: cannot load loss 'no_such_package_xyz:loss'" in result.stderr

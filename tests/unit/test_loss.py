@@ -1,0 +1,132 @@
+"""The policy losses as pure functions of logits and a batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from weightcast.contract.codec import RolloutBatch
+from weightcast.trainer.loss import (
+    LossSettings,
+    get_loss,
+    grpo_loss,
+    policy_entropy,
+    sft_loss,
+    token_logprobs,
+    trained_tokens,
+)
+
+VOCAB = 11
+
+
+def make_batch(
+    mask: list[list[int]], advantages: list[float], **extra: torch.Tensor
+) -> tuple[torch.Tensor, RolloutBatch]:
+    gen = torch.Generator().manual_seed(1)
+    b, t = len(mask), len(mask[0])
+    logits = torch.randn(b, t, VOCAB, generator=gen, requires_grad=True)
+    batch = RolloutBatch(
+        input_ids=torch.randint(0, VOCAB, (b, t), generator=gen),
+        loss_mask=torch.tensor(mask, dtype=torch.float32),
+        advantages=torch.tensor(advantages)[:, None].expand(b, t).contiguous(),
+        meta={"policy_version": 0, "producer": "test"},
+        **extra,
+    )
+    return logits, batch
+
+
+def test_token_logprobs_score_each_token_from_the_logits_before_it() -> None:
+    logits, batch = make_batch([[0, 1, 1, 1]], [1.0])
+    logp = token_logprobs(logits, batch.input_ids)
+    manual = torch.log_softmax(logits, -1)
+    assert logp[0, 0] == 0
+    for t in range(1, 4):
+        assert torch.isclose(logp[0, t], manual[0, t - 1, batch.input_ids[0, t]])
+
+
+def test_means_weigh_every_trained_token_equally_across_lengths() -> None:
+    # Sequence 0 trains 1 token, sequence 1 trains 3: a per-row mean would weigh them 1:1.
+    logits, batch = make_batch([[0, 0, 0, 1], [0, 1, 1, 1]], [1.0, 1.0])
+    result = sft_loss(logits, batch, LossSettings())
+    logp = token_logprobs(logits, batch.input_ids)
+    expected = -(logp[0, 3] + logp[1, 1] + logp[1, 2] + logp[1, 3]) / 4
+    assert torch.isclose(result.loss, expected)
+
+
+def test_position_zero_is_never_trained_even_if_masked() -> None:
+    logits, batch = make_batch([[1, 1, 0, 0]], [1.0])
+    loss = sft_loss(logits, batch, LossSettings()).loss
+    assert torch.isclose(loss, -token_logprobs(logits, batch.input_ids)[0, 1])
+
+
+def test_on_policy_grpo_is_the_advantage_weighted_policy_gradient() -> None:
+    logits, batch = make_batch([[0, 1, 1, 0], [0, 0, 1, 1]], [2.0, -0.5])
+    result = grpo_loss(logits, batch, LossSettings())
+    (grad,) = torch.autograd.grad(result.loss, logits)
+    mask = batch.loss_mask.clone()
+    mask[:, 0] = 0
+    reference = -(batch.advantages * token_logprobs(logits, batch.input_ids) * mask).sum() / 4
+    (expected,) = torch.autograd.grad(reference, logits)
+    assert torch.allclose(grad, expected, atol=1e-6)
+    assert result.loss.item() == pytest.approx(-(2.0 * 2 - 0.5 * 2) / 4)
+    assert result.metrics["clip_fraction"] == 0
+
+
+def test_ratio_is_clipped_against_old_logprobs() -> None:
+    logits, batch = make_batch([[0, 1, 1]], [1.0])
+    logp = token_logprobs(logits, batch.input_ids).detach()
+    # Token 1: ratio e^0.5 > 1.2 with a positive advantage -> clipped, no gradient.
+    # Token 2: ratio 1 -> unclipped.
+    batch.old_logprobs = logp - torch.tensor([[0.0, 0.5, 0.0]])
+    result = grpo_loss(logits, batch, LossSettings(clip_eps=0.2))
+    (grad,) = torch.autograd.grad(result.loss, logits)
+    assert result.metrics["clip_fraction"] == pytest.approx(0.5)
+    assert torch.count_nonzero(grad[0, 0]) == 0  # logits at t=0 predict the clipped token 1
+    assert torch.count_nonzero(grad[0, 1]) > 0
+    assert result.loss.item() == pytest.approx(-(1.2 + 1.0) / 2, rel=1e-5)
+
+
+def test_k3_kl_is_zero_at_the_reference_and_positive_away_from_it() -> None:
+    logits, batch = make_batch([[0, 1, 1]], [0.0])
+    logp = token_logprobs(logits, batch.input_ids).detach()
+    batch.ref_logprobs = logp.clone()
+    assert grpo_loss(logits, batch, LossSettings(kl_coef=0.1)).metrics["kl"] == pytest.approx(0)
+    batch.ref_logprobs = logp + 0.3
+    result = grpo_loss(logits, batch, LossSettings(kl_coef=0.1))
+    k3 = math.exp(0.3) - 0.3 - 1
+    assert result.metrics["kl"] == pytest.approx(k3, rel=1e-5)
+    assert result.loss.item() == pytest.approx(0.1 * k3, rel=1e-4)  # advantages are zero
+
+
+def test_losses_are_chosen_by_name() -> None:
+    assert get_loss("grpo") is grpo_loss and get_loss("sft") is sft_loss
+    with pytest.raises(ValueError, match="unknown loss 'ppo'"):
+        get_loss("ppo")
+
+
+def test_entropy_is_the_mean_over_trained_tokens_of_the_next_token_distribution() -> None:
+    logits, batch = make_batch([[0, 1, 1, 0], [0, 0, 0, 1]], [1.0, 1.0])
+    logp = torch.log_softmax(logits.detach(), -1)
+    per_position = -(logp.exp() * logp).sum(-1)  # [B, T]: position t predicts token t + 1
+    expected = (per_position[0, 0] + per_position[0, 1] + per_position[1, 2]) / 3
+    assert policy_entropy(logits, batch, chunk_rows=2).item() == pytest.approx(expected.item())
+    uniform = torch.zeros(2, 4, VOCAB)
+    assert policy_entropy(uniform, batch).item() == pytest.approx(math.log(VOCAB), rel=1e-6)
+
+
+def test_a_users_loss_is_loaded_by_dotted_path() -> None:
+    assert get_loss("weightcast.trainer.loss:sft_loss") is sft_loss
+    for name, message in (
+        ("no_such_module_xyz:fn", "cannot load loss"),
+        ("weightcast.trainer.loss:nothing", "cannot load loss"),
+        ("weightcast.trainer.loss:LOSSES", "is not callable"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            get_loss(name)
+
+
+def test_trained_tokens_counts_the_mask_without_position_zero() -> None:
+    _, batch = make_batch([[1, 1, 1, 0], [0, 0, 0, 1]], [1.0, 1.0])
+    assert trained_tokens(batch) == 3

@@ -1,0 +1,79 @@
+"""The toy RL task's math and sampler (the loop itself runs in tests/test_up.py)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from weightcast.contract.codec import BatchLimits, validate_tensors
+from weightcast.contract.layout import assemble, plan_vllm_fused
+from weightcast.local.rollout import (
+    ModelPolicy,
+    UniformPolicy,
+    group_advantages,
+    sample_rollout,
+    toy_reward,
+)
+from weightcast.runtime.config import RolloutConfig
+from weightcast.trainer.loss import token_logprobs
+
+from helpers import hf_config, hf_state, shape_of
+
+SHAPE = shape_of(4, 2, 16, hidden=32, inter=64)
+
+
+def config() -> dict:
+    return {**hf_config(SHAPE), "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+
+
+def test_reward_is_the_fraction_of_target_tokens() -> None:
+    completions = torch.tensor([[0, 5, 40, 63], [40, 41, 42, 43]])
+    assert toy_reward(completions, target_below=32).tolist() == [0.5, 0.0]
+
+
+def test_group_advantages_are_relative_to_the_group() -> None:
+    rewards = torch.tensor([0.0, 0.5, 1.0, 0.5, 0.2, 0.2, 0.2, 0.2])
+    advantages = group_advantages(rewards, group_size=4)
+    first, second = advantages.view(2, 4)
+    assert abs(first.sum().item()) < 1e-5 and first.argmax() == 2 and first.argmin() == 0
+    assert first[1].item() == first[3].item() == 0.0
+    assert torch.equal(second, torch.zeros(4))  # a group that all scored the same teaches nothing
+
+
+def test_a_rollout_is_a_valid_batch_trained_on_the_completion_only() -> None:
+    cfg = RolloutConfig(prompts=2, group_size=3, prompt_len=4, completion_len=5, vocab_size=64)
+    rollout = sample_rollout(UniformPolicy(64), cfg, torch.Generator().manual_seed(0))
+    tensors = rollout.tensors
+    validate_tensors(tensors, BatchLimits(vocab_size=64, max_seq_len=9))
+    assert tensors["input_ids"].shape == (6, 9)
+    prompts = tensors["input_ids"][:, :4].view(2, 3, 4)
+    assert torch.equal(prompts[:, 0], prompts[:, 2])  # one prompt per group
+    assert tensors["loss_mask"][:, :4].sum() == 0 and tensors["loss_mask"][:, 4:].all()
+    assert torch.allclose(tensors["old_logprobs"][:, 4:], torch.tensor(-math.log(64)))
+    assert tensors["old_logprobs"][:, :4].abs().sum() == 0
+    expected = toy_reward(tensors["input_ids"][:, 4:], cfg.target_below).mean().item()
+    assert rollout.reward == expected
+
+
+def test_sampled_logprobs_are_what_the_trainer_computes_for_the_same_weights() -> None:
+    """``old_logprobs`` from the KV-cached sampler equal teacher-forced log-probabilities."""
+    policy = ModelPolicy(3, config(), hf_state(SHAPE))
+    prompts = torch.randint(0, SHAPE.vocab_size, (4, 5), generator=torch.Generator().manual_seed(1))
+    completions, logprobs = policy.sample(prompts, 6, torch.Generator().manual_seed(2))
+    sequence = torch.cat([prompts, completions], dim=1)
+    with torch.no_grad():
+        teacher = token_logprobs(policy.model(sequence).logits, sequence)
+    assert torch.allclose(teacher[:, 5:], logprobs, atol=1e-5)
+    assert not torch.allclose(logprobs, torch.tensor(-math.log(SHAPE.vocab_size)), atol=1e-3)
+
+
+def test_a_policy_built_from_published_fused_tensors_is_the_hf_model() -> None:
+    state = hf_state(SHAPE, torch.bfloat16)
+    plan = plan_vllm_fused({n: t.shape[0] for n, t in state.items()}, SHAPE, 2)
+    published = {p.name: assemble(p, state) for p in plan}
+    direct = ModelPolicy(1, config(), state)
+    rebuilt = ModelPolicy.from_published(1, config(), published, tp=2)
+    ids = torch.randint(0, SHAPE.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(direct.model(ids).logits, rebuilt.model(ids).logits)

@@ -1,0 +1,77 @@
+"""The trainer's torchtitan job config: weightcast's defaults and the [trainer.*] overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from weightcast.contract.errors import ConfigError
+from weightcast.runtime.config import MODELS, TrainerConfig
+from weightcast.trainer.model import TRAIN_SPEC_NAME, flavors, hf_config
+from weightcast.trainer.worker import UNBOUNDED_STEPS, build_job_config
+
+
+def test_weightcast_settings_and_overrides_reach_torchtitan() -> None:
+    cfg = TrainerConfig(
+        model="0.6B",
+        steps=0,
+        seq_len=512,
+        titan={"optimizer": {"lr": 1e-6}, "lr_scheduler": {"warmup_steps": 7}},
+    )
+    job = build_job_config(cfg)
+    assert (job.model.name, job.model.flavor) == (TRAIN_SPEC_NAME, "0.6B")
+    assert job.training.seq_len == 512 and job.training.steps == UNBOUNDED_STEPS
+    assert job.optimizer.lr == 1e-6 and job.lr_scheduler.warmup_steps == 7
+
+
+@pytest.mark.parametrize(
+    ("titan", "message"),
+    [
+        ({"optimiser": {"lr": 1.0}}, "unknown torchtitan section [trainer.optimiser]"),
+        (
+            {"optimizer": {"learning_rate": 1.0}},
+            "[trainer.optimizer] has no setting 'learning_rate'",
+        ),
+    ],
+)
+def test_unknown_torchtitan_settings_are_refused(titan: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        build_job_config(TrainerConfig(titan=titan))
+    assert message in str(error.value)
+
+
+def test_flavors_and_their_hf_config() -> None:
+    available = flavors()
+    assert {"tiny", "0.6B", "1.7B", "4B", "8B"} <= set(available)
+    tiny = available["tiny"]
+    assert tiny.n_kv_heads < tiny.n_heads and tiny.head_dim * tiny.n_heads != tiny.dim
+    config = hf_config(available["0.6B"])
+    shape = (config["hidden_size"], config["head_dim"], config["num_key_value_heads"])
+    assert shape == (1024, 128, 8)
+    assert config["tie_word_embeddings"] is True and config["model_type"] == "qwen3"
+    assert hf_config(available["8B"])["tie_word_embeddings"] is False
+
+
+def test_async_resume_checkpoints_are_accepted() -> None:
+    job = build_job_config(TrainerConfig(titan={"checkpoint": {"async_mode": "Async"}}))
+    assert job.checkpoint.async_mode == "async"
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "message"),
+    [
+        ({"async_mode": "async_with_pinned_mem"}, "async_mode 'async_with_pinned_mem' is not"),
+        ({"async_mode": "later"}, "choose one of disabled, async"),
+        ({"keep_latest_k": 1}, "keep_latest_k must be 0 (keep all) or >= 2"),
+        ({"async_mode": "async", "keep_latest_k": 1}, "keep_latest_k must be 0"),
+    ],
+)
+def test_resume_checkpoint_settings_that_could_lose_batches_are_refused(
+    checkpoint: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError) as error:
+        build_job_config(TrainerConfig(titan={"checkpoint": checkpoint}))
+    assert message in str(error.value)
+
+
+def test_the_model_setting_lists_exactly_the_flavors_the_trainer_builds() -> None:
+    assert set(MODELS) == set(flavors())
