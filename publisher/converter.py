@@ -21,6 +21,7 @@ Layouts (``--layout``):
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -277,7 +278,7 @@ def _write_layouts(
         hf_files, weight_map = _write_hf(hf_dir, outputs)
         if options.layout == LAYOUT_BOTH:
             hf_files.append(_write_json_file(hf_dir, CONFIG_NAME, config))
-        files += [FileEntry(prefix + f.name, f.bytes, f.sha256) for f in hf_files]
+        files += [dataclasses.replace(f, name=prefix + f.name) for f in hf_files]
         if options.layout == LAYOUT_HF:
             by_name = {t.name: t for t in outputs}
             tensors += [_entry(by_name[n], f, {"kind": "hf"}) for n, f in weight_map.items()]

@@ -1,7 +1,18 @@
 """``manifest.json``: what a published version holds and how to check it.
 
-It lists every file with its size and sha256 and every tensor with its shape, dtype, file
-and how vLLM shards it. Readers verify files against it before loading anything.
+It lists every file with its size and digests and every tensor with its shape, dtype, file
+and how vLLM shards it. Readers verify what they read against it before using any of it.
+
+Digests. Format 2 (:data:`MANIFEST_FORMAT`) splits each file into blocks of
+``block_bytes`` (:data:`BLOCK_BYTES`, 4 MiB; the last block may be shorter) and lists one
+digest per block (:class:`BlockDigests`), so that a writer hashes blocks in parallel with
+its writes and a reader verifies exactly the blocks it reads (a tensor-parallel rank reads a
+few byte ranges of a shared file). Format 1 manifests (one whole-file ``sha256`` per file)
+still read and verify. The manifest itself is authenticated by the SHA-256 that the registry
+keeps in Redis (``manifest_sha256``), so a block digest only has to tie the bytes on disk to
+the manifest: ``xxh3-128`` (the default, several GB/s a core) catches corruption (bit rot,
+truncation, a torn or misplaced write); ``blake3`` (a cryptographic hash) also resists
+deliberate tampering by someone who can write the weights directory but not Redis.
 """
 
 from __future__ import annotations
@@ -9,14 +20,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from weightcast.contract.errors import WeightsError
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "weightcast.manifest/1"
+MANIFEST_FORMAT = "weightcast.manifest/2"
+MANIFEST_FORMATS = ("weightcast.manifest/1", MANIFEST_FORMAT)
+BLOCK_BYTES = 4 * 1024 * 1024
+DEFAULT_DIGEST = "xxh3-128"
+DIGESTS = ("xxh3-128", "blake3")
+"""Block digest algorithms a manifest may name (``sha256`` is format 1's whole-file one)."""
 _CHUNK = 8 * 1024 * 1024
 
 
@@ -24,11 +41,92 @@ class ManifestError(WeightsError):
     """A version directory that does not match its manifest."""
 
 
+class Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def new_hasher(algorithm: str) -> Hasher:
+    """A fresh hasher for ``algorithm`` (``xxh3-128``, ``blake3`` or ``sha256``)."""
+    factory = _hashers().get(algorithm)
+    if factory is None:
+        raise ManifestError(
+            f"unknown digest algorithm {algorithm!r}; this weightcast knows "
+            f"{', '.join(sorted(_hashers()))} (pip install blake3 for blake3)"
+        )
+    return factory()
+
+
+def digest_bytes(algorithm: str, data: bytes | memoryview) -> str:
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+def _hashers() -> dict[str, Callable[[], Hasher]]:
+    """The algorithms importable here (blake3 is optional; a vLLM image has it)."""
+    import xxhash
+
+    found: dict[str, Callable[[], Hasher]] = {"xxh3-128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+    try:
+        import blake3
+    except ImportError:
+        return found
+    found["blake3"] = blake3.blake3
+    return found
+
+
+@dataclass(frozen=True)
+class BlockDigests:
+    """One digest per ``block_bytes`` of a file, in order (the last block may be shorter)."""
+
+    algorithm: str
+    block_bytes: int
+    digests: list[str]
+
+    def block_range(self, start: int, stop: int) -> range:
+        """The indices of the blocks that hold bytes ``[start, stop)`` of the file."""
+        if stop <= start:
+            return range(0)
+        return range(start // self.block_bytes, (stop - 1) // self.block_bytes + 1)
+
+    def span(self, index: int, file_bytes: int) -> tuple[int, int]:
+        """Bytes ``[start, stop)`` of the file that block ``index`` covers."""
+        start = index * self.block_bytes
+        return start, min(start + self.block_bytes, file_bytes)
+
+
 @dataclass(frozen=True)
 class FileEntry:
+    """A file of the version: its size and either per-block digests (format 2) or one
+    whole-file SHA-256 (format 1)."""
+
     name: str
     bytes: int
-    sha256: str
+    sha256: str | None = None
+    blocks: BlockDigests | None = None
+
+    def __post_init__(self) -> None:
+        if (self.sha256 is None) == (self.blocks is None):
+            raise ManifestError(f"{self.name}: a file needs block digests or a sha256")
+        if self.blocks is not None:
+            expected = -(-self.bytes // self.blocks.block_bytes) if self.bytes else 0
+            if self.blocks.block_bytes < 1 or len(self.blocks.digests) != expected:
+                raise ManifestError(
+                    f"{self.name}: {len(self.blocks.digests)} block digests for "
+                    f"{self.bytes} bytes in blocks of {self.blocks.block_bytes}"
+                )
+
+    def verify_block(self, index: int, data: bytes | memoryview) -> None:
+        """Raise :class:`ManifestError` unless ``data`` is block ``index`` of this file."""
+        assert self.blocks is not None
+        if digest_bytes(self.blocks.algorithm, data) != self.blocks.digests[index]:
+            start, stop = self.blocks.span(index, self.bytes)
+            raise ManifestError(
+                f"{self.name}: bytes {start}..{stop} do not match the manifest's "
+                f"{self.blocks.algorithm} digest (the file is corrupt or was changed)"
+            )
 
 
 @dataclass(frozen=True)
@@ -74,9 +172,9 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
         raw = json.loads(text)
-        if raw.get("format") != MANIFEST_FORMAT:
+        if raw.get("format") not in MANIFEST_FORMATS:
             raise ManifestError(f"unknown manifest format {raw.get('format')!r}")
-        raw["files"] = [FileEntry(**f) for f in raw["files"]]
+        raw["files"] = [_file_entry(f) for f in raw["files"]]
         raw["tensors"] = [TensorEntry(**t) for t in raw["tensors"]]
         for entry in raw["files"]:
             _check_file_name(entry.name)
@@ -85,6 +183,22 @@ class Manifest:
     @classmethod
     def read(cls, directory: Path) -> Manifest:
         return cls.from_json((directory / MANIFEST_NAME).read_bytes())
+
+
+def _file_entry(raw: dict[str, Any]) -> FileEntry:
+    blocks = raw.pop("blocks", None)
+    return FileEntry(**raw, blocks=None if blocks is None else BlockDigests(**blocks))
+
+
+def file_digests(
+    path: Path, algorithm: str = DEFAULT_DIGEST, block_bytes: int = BLOCK_BYTES
+) -> BlockDigests:
+    """The block digests of a file on disk (small files: JSON, configs)."""
+    digests = []
+    with open(path, "rb") as f:
+        while block := f.read(block_bytes):
+            digests.append(digest_bytes(algorithm, block))
+    return BlockDigests(algorithm, block_bytes, digests)
 
 
 def sha256_file(path: Path) -> str:
@@ -99,12 +213,13 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def file_entry(path: Path) -> FileEntry:
-    return FileEntry(name=path.name, bytes=os.path.getsize(path), sha256=sha256_file(path))
+def file_entry(path: Path, algorithm: str = DEFAULT_DIGEST) -> FileEntry:
+    """The manifest entry of a file on disk, with block digests."""
+    return FileEntry(path.name, os.path.getsize(path), blocks=file_digests(path, algorithm))
 
 
 def verify_files(directory: Path, manifest: Manifest) -> None:
-    """Check that every listed file exists with the listed size and sha256."""
+    """Check every listed file whole: size, and every block digest (or the sha256)."""
     for entry in manifest.files:
         path = directory / entry.name
         if not path.is_file():
@@ -112,8 +227,13 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
         size = os.path.getsize(path)
         if size != entry.bytes:
             raise ManifestError(f"{path}: {size} bytes, manifest says {entry.bytes}")
-        if sha256_file(path) != entry.sha256:
-            raise ManifestError(f"{path}: sha256 does not match the manifest")
+        if entry.blocks is None:
+            if sha256_file(path) != entry.sha256:
+                raise ManifestError(f"{path}: sha256 does not match the manifest")
+            continue
+        with open(path, "rb") as f:
+            for index in range(len(entry.blocks.digests)):
+                entry.verify_block(index, f.read(entry.blocks.block_bytes))
 
 
 def _check_file_name(name: str) -> None:

@@ -209,7 +209,9 @@ def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
     target.write_bytes(bytes(data))
     reader = deployment.reader()
     assert len(dict(reader.tensors_for_rank(per_rank, 0, 2))) > 10  # rank 0 never touches it
-    with pytest.raises(WeightsError, match=r"model-rank-01-of-02\.safetensors: sha256"):
+    with pytest.raises(
+        WeightsError, match=r"model-rank-01-of-02\.safetensors: bytes .* do not match"
+    ):
         next(reader.tensors_for_rank(per_rank, 1, 2))
     with pytest.raises(WeightsError, match="per-rank files"):
         reader.load(per_rank)
