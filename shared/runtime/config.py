@@ -125,6 +125,13 @@ class CommonConfig:
         flag="--weights-dir",
         commands=("trainer", "publisher", "produce", "follow", "status"),
     )
+    redis_retry_seconds: float = setting(
+        300.0,
+        "how long a process rides out an unreachable Redis (retrying with capped exponential "
+        "back-off, /healthz 503 meanwhile) before it gives up with an error",
+        flag="--redis-retry-seconds",
+        ge=0,
+    )
     log_format: str = setting("text", "log line format", flag="--log-format", choices=LOG_FORMATS)
     log_level: str = setting("INFO", "lowest level logged", flag="--log-level", choices=LOG_LEVELS)
 

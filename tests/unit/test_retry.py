@@ -1,0 +1,43 @@
+"""Riding out a Redis outage: back-off that doubles up to its cap, within one time budget."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from weightcast.contract.errors import RedisUnavailable
+from weightcast.runtime.retry import Outage
+
+
+def test_retries_with_doubling_pauses_until_redis_answers() -> None:
+    answers = [redis.ConnectionError("refused")] * 3 + [redis.BusyLoadingError("LOADING")] + [7]
+    pauses: list[float] = []
+
+    def call() -> int:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    outage = Outage(budget=60, first=0.5, cap=2.0)
+    assert outage.call(call, "testing", sleep=pauses.append) == 7
+    assert pauses == [0.5, 1.0, 2.0, 2.0]
+    assert not outage.ongoing and outage.attempts == 0
+
+
+def test_gives_up_with_a_clear_error_once_the_budget_is_spent() -> None:
+    def down() -> None:
+        raise redis.ConnectionError("Connection refused")
+
+    outage = Outage(budget=0.0)
+    with pytest.raises(RedisUnavailable, match="Redis has not answered for 0s while reading"):
+        outage.call(down, "reading", sleep=lambda _: None)
+    assert outage.ongoing and "Connection refused" in outage.last_error
+
+
+def test_other_redis_errors_are_not_retried() -> None:
+    def wrong() -> None:
+        raise redis.ResponseError("WRONGTYPE")
+
+    with pytest.raises(redis.ResponseError):
+        Outage().call(wrong, "reading", sleep=lambda _: pytest.fail("must not wait"))
