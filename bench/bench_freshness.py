@@ -32,7 +32,7 @@ from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import REPO, SHAPES, settle, write_template
+from bench_publisher import REPO, SHAPES, publisher_env, settle, write_template
 
 
 def node(args: argparse.Namespace) -> None:
@@ -86,13 +86,7 @@ def main() -> None:
     published, loaded = [], []
     with RedisServer(root / "redis") as server:
         client = redis.Redis.from_url(server.url)
-        env = {
-            **os.environ,
-            "WEIGHTCAST_REDIS_URL": server.url,
-            "WEIGHTCAST_NAMESPACE": keys.namespace,
-            "WEIGHTCAST_CHECKPOINT_DIR": str(checkpoints),
-            "WEIGHTCAST_WEIGHTS_DIR": str(weights),
-        }
+        env = publisher_env(server.url, keys, checkpoints, weights)
         log = open(root / "daemons.log", "wb")  # noqa: SIM115 (closed below)
         daemon = [sys.executable, "-m", "weightcast", "publisher", "--keep", "2"]
         processes.append(subprocess.Popen(daemon, env=env, cwd=REPO, stdout=log, stderr=log))

@@ -142,6 +142,17 @@ def raw_copy(template: Path, target: Path) -> float:
     return time.perf_counter() - start
 
 
+def publisher_env(url: str, keys: Keys, checkpoints: Path, weights: Path) -> dict[str, str]:
+    """The environment of a publisher (or node) process of this benchmark."""
+    return {
+        **os.environ,
+        "WEIGHTCAST_REDIS_URL": url,
+        "WEIGHTCAST_NAMESPACE": keys.namespace,
+        "WEIGHTCAST_CHECKPOINT_DIR": str(checkpoints),
+        "WEIGHTCAST_WEIGHTS_DIR": str(weights),
+    }
+
+
 def peak_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -159,13 +170,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
     client = redis.Redis.from_url(server.url)
     events = client.pubsub()
     events.subscribe(keys.events)
-    env = {
-        **os.environ,
-        "WEIGHTCAST_REDIS_URL": server.url,
-        "WEIGHTCAST_NAMESPACE": keys.namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(checkpoints),
-        "WEIGHTCAST_WEIGHTS_DIR": str(weights),
-    }
+    env = publisher_env(server.url, keys, checkpoints, weights)
     log = open(work / "publisher.log", "wb")  # noqa: SIM115 (closed below)
     command = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(args.tp)]
     command += ["--reader", args.reader, "--rescan-seconds", "30", "--layout", args.layout]

@@ -19,24 +19,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from weightcast.contract.layout import ColumnRange, PlannedFile, Region
 from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS
-from weightcast.contract.tensorfile import TensorSpan
+from weightcast.contract.tensorfile import TensorSpan, safetensors_dtype
 from weightcast.publisher.safetensors_writer import Piece
 from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot
-
-DTYPE_NAMES = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-}
 
 
 class MemorySource:
@@ -48,11 +33,11 @@ class MemorySource:
         self.loaded = load_tensors(snapshot)
         try:
             self.tensors = {
-                name: (DTYPE_NAMES[t.dtype], tuple(t.shape)) for name, t in self.loaded.items()
+                name: (safetensors_dtype(t.dtype), tuple(t.shape))
+                for name, t in self.loaded.items()
             }
-        except KeyError as exc:
-            dtype = exc.args[0]
-            raise CorruptSnapshot(f"a tensor of dtype {dtype} has no safetensors name") from None
+        except ValueError as exc:
+            raise CorruptSnapshot(str(exc)) from None
 
     def pieces(self, region: Region) -> list[Piece]:
         tensor = self.loaded[region.source]

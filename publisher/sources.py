@@ -27,9 +27,9 @@ from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_
 from weightcast.contract.tensorfile import DTYPE_SIZES, HeaderError, TensorSpan, read_header
 from weightcast.publisher.safetensors_writer import Columns, FileRange, Piece
 from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot
+from weightcast.runtime.config import READERS
 
-READER_AUTO = "auto"
-READER_DCP_LOAD = "dcp-load"
+READER_AUTO, READER_DCP_LOAD = READERS
 BYTE_RANGE = "byte-range"
 
 
@@ -74,8 +74,8 @@ class SourceTensor:
 
 def open_source(snapshot: Snapshot, reader: str = READER_AUTO) -> Source:
     """Byte ranges from the headers when the snapshot allows, else its tensors loaded."""
-    if reader not in (READER_AUTO, READER_DCP_LOAD):
-        raise LayoutError(f"unknown reader {reader!r}; choose {READER_AUTO} or {READER_DCP_LOAD}")
+    if reader not in READERS:
+        raise LayoutError(f"unknown reader {reader!r}; choose one of {', '.join(READERS)}")
     if reader == READER_AUTO and snapshot.info.format == FORMAT_DCP_SAFETENSORS:
         try:
             return HeaderSource(snapshot)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -394,6 +395,24 @@ def publish_snapshot(
     os.rename(written, final)
     staging.rmdir()
     return final
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``16k``, ``2m``) mounted at ``path`` for a test: a small
+    filesystem that fills up. Needs root (or CAP_SYS_ADMIN)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        raise AssertionError(f"this test mounts a tmpfs (run it as root): {mounted.stderr}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
 
 
 def rank_part(tensor: torch.Tensor, shard: Mapping[str, Any], rank: int, tp: int) -> torch.Tensor:

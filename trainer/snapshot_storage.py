@@ -31,26 +31,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from weightcast.contract.snapshots import SHARDING_INFO_KEY, SnapshotFile, data_file_name
-from weightcast.contract.tensorfile import encode_header, file_order
+from weightcast.contract.tensorfile import encode_header, file_order, safetensors_dtype
 
 DCP_VERSION = "1.0"
 """``__metadata__["DCP_VERSION"]`` as torch's HF writer sets it."""
 _WRITE_BYTES = 64 * 1024 * 1024
 """Tensors are checked and written in slices this size (bounded extra memory)."""
-SAFETENSORS_NAMES = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-}
 
 
 class NonFiniteWeight(ValueError):
@@ -103,10 +89,7 @@ def write_file(
     Raises :class:`NonFiniteWeight` before writing a tensor that holds NaN or infinity (the
     caller removes the unfinished directory).
     """
-    try:
-        dtypes = {name: SAFETENSORS_NAMES[t.dtype] for name, t in tensors.items()}
-    except KeyError as exc:
-        raise ValueError(f"safetensors cannot hold {exc.args[0]}") from None
+    dtypes = {name: safetensors_dtype(t.dtype) for name, t in tensors.items()}
     order = [name for name, _ in file_order(dtypes.items())]
     metadata = {
         SHARDING_INFO_KEY: json.dumps(offsets),

@@ -61,6 +61,16 @@ TORCH_NAMES = {
     "U64": "uint64",
 }
 """safetensors dtype -> torch's name for it (what manifests and the registry record)."""
+_BY_TORCH_NAME = {torch_name: name for name, torch_name in TORCH_NAMES.items()}
+
+
+def safetensors_dtype(dtype: object) -> str:
+    """The safetensors name of a torch dtype (``torch.bfloat16`` -> ``BF16``)."""
+    try:
+        return _BY_TORCH_NAME[str(dtype).removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"safetensors cannot hold {dtype}") from None
+
 
 NON_FINITE = {
     "BF16": (0x7FFF, 0x7F80),

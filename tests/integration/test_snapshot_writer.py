@@ -19,7 +19,7 @@ from weightcast.publisher.converter import ConvertOptions, convert
 from weightcast.publisher.snapshots import Snapshot, complete_snapshots
 from weightcast.trainer.snapshot import SnapshotWriter
 
-from helpers import hf_config, hf_state, shape_of
+from helpers import hf_config, hf_state, shape_of, tmpfs
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64, tied=False, bias=True)
 
@@ -96,21 +96,8 @@ def test_a_non_finite_weight_is_refused_and_nothing_is_written(
 @pytest.fixture
 def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
     """A 16 KiB tmpfs: smaller than one snapshot of SHAPE (about 64 KB in bf16)."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.fail(
-            f"this test mounts a tmpfs (run it as root or with CAP_SYS_ADMIN): {done.stderr}"
-        )
-    try:
+    with tmpfs(tmp_path / "small", "16k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=False)
 
 
 class Records(logging.Handler):

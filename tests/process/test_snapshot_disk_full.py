@@ -3,40 +3,27 @@ skipped and counted in the heartbeat, training goes on and ends normally, nothin
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-import pytest
 import redis
 
 from weightcast.contract.keys import Keys
 
-from helpers import final_train_state, push_batches, run_weightcast
+from helpers import final_train_state, push_batches, run_weightcast, tmpfs
 
 
 def test_a_full_snapshot_filesystem_skips_snapshots_and_training_goes_on(
     cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
-    checkpoints = tmp_path / "checkpoints"  # the trainer's resume checkpoints live beside it
-    checkpoints.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(checkpoints)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.fail(f"this test mounts a tmpfs (run it as root): {mounted.stderr}")
-    try:
+    # 16 KiB: no snapshot fits. The resume checkpoints live beside it, on the real disk.
+    with tmpfs(tmp_path / "checkpoints", "16k") as checkpoints:
         push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 3)
         result = run_weightcast(cli_env, "trainer", "--steps", "3", "--publish-every", "1")
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stderr.count("snapshot skipped: no space left") == 3  # steps 1, 2, 3
-        heartbeat = {
-            k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()
-        }
+        beat = client.hgetall(keys.trainer_heartbeat)
+        heartbeat = {k.decode(): v.decode() for k, v in beat.items()}
         assert heartbeat["snapshots_skipped_no_space"] == "3"
         assert heartbeat["snapshots_written"] == "0"
         assert list(checkpoints.iterdir()) == []  # no step-N, no .tmp-step-N
         assert final_train_state(tmp_path / "checkpoints-resume").step == 3
-    finally:
-        subprocess.run(["umount", str(checkpoints)], check=False)
