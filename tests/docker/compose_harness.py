@@ -84,7 +84,9 @@ def apt_install(*packages: str) -> None:
     """Install ``packages`` with apt-get, or skip with the reason (nothing installed silently)."""
     names = " ".join(packages)
     if not install_allowed():
-        pytest.skip(f"{names} missing; WEIGHTCAST_DOCKER_INSTALL=1 lets the test apt-get them")
+        pytest.skip(
+            f"{names} missing; WEIGHTCAST_DOCKER_INSTALL=1 lets the test apt-get install it"
+        )
     if shutil.which("apt-get") is None or os.geteuid() != 0:
         pytest.skip(
             f"{names} missing and apt-get cannot install them here (not Debian or not root)"
@@ -173,7 +175,7 @@ def docker_engine() -> Iterator[Engine]:
     STATE.mkdir(parents=True, exist_ok=True)
     docker = docker_cli()
     if docker is not None and engine_answers(docker):
-        yield Engine(docker, compose_command(docker))
+        yield describe(Engine(docker, compose_command(docker)))
         return
     if os.geteuid() != 0:
         pytest.skip("no Docker Engine answers `docker info`, and only root can start one")
@@ -182,9 +184,15 @@ def docker_engine() -> Iterator[Engine]:
         docker = docker_cli()
     dockerd = start_dockerd(docker)
     try:
-        yield Engine(docker, compose_command(docker))
+        yield describe(Engine(docker, compose_command(docker)))
     finally:
         stop_dockerd(dockerd)
+
+
+def describe(engine: Engine) -> Engine:
+    server = run(engine.docker, "version", "--format", "{{.Server.Version}}").stdout.strip()
+    log(f"Docker Engine {server}; {run(*engine.compose, 'version').stdout.strip()}")
+    return engine
 
 
 def start_dockerd(docker: str) -> subprocess.Popen:

@@ -1,4 +1,5 @@
-"""Session fixtures for tests/docker: see compose_harness.py."""
+"""Fixtures for tests/docker: see compose_harness.py. The engine's are module-scoped: a
+dockerd started for the stack test stops when that module is done, not after the whole suite."""
 
 from __future__ import annotations
 
@@ -10,18 +11,18 @@ import pytest
 from compose_harness import Engine
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
     with compose_harness.docker_engine() as running:
         yield running
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def base_images(engine: Engine) -> dict[str, str]:
     return compose_harness.base_images(engine)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def torch_build_args(engine: Engine) -> Iterator[dict[str, str]]:
     with compose_harness.torch_build_args() as args:
         yield args
