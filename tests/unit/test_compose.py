@@ -161,6 +161,7 @@ def test_plain_up_runs_the_demo_loop_through_the_committed_env(services: dict) -
     )
     assert env == {"COMPOSE_PROFILES": "demo"}
     assert vars(parse_command(services["producer"]))["follow.rollout"] is True
+    assert services["producer"]["stop_grace_period"] == "30s"  # a rollout step exits cleanly
     assert "follow.rollout" not in vars(parse_command(services["follower"]))
     for name in demo:
         weights_dir = services[name]["environment"]["WEIGHTCAST_WEIGHTS_DIR"]
