@@ -211,7 +211,8 @@ def test_vllm_profile_serves_with_the_weightcast_backend(services: dict) -> None
     assert tp == services["publisher"]["environment"]["WEIGHTCAST_PUBLISHER_TP"]
     (device,) = inference["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    assert "weights:/data/weights:ro" in inference["volumes"]
+    weights_dir = inference["environment"]["WEIGHTCAST_WEIGHTS_DIR"]  # the backend's default
+    assert f"weights:{weights_dir}:ro" in inference["volumes"]
     assert "http://127.0.0.1:8000/health" in " ".join(inference["healthcheck"]["test"])
     assert [expand(p) for p in inference["ports"]] == ["127.0.0.1:8000:8000"]
 
