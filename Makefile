@@ -31,3 +31,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
+
+# tests/docker alone: what Compose makes of compose.yaml, then the real stack on CPU (a Docker
+# Engine; minutes). `make test` runs them too. They never install or fetch anything unless
+# WEIGHTCAST_DOCKER_INSTALL=1 (CI: docker.io, debootstrap, Compose v2 when missing).
+.PHONY: test-docker
+test-docker: setup
+	$(BIN)/pytest tests/docker

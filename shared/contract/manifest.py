@@ -17,11 +17,14 @@ deliberate tampering by someone who can write the weights directory but not Redi
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -79,22 +82,49 @@ def _hashers() -> dict[str, Callable[[], Hasher]]:
 
 @dataclass(frozen=True)
 class BlockDigests:
-    """One digest per ``block_bytes`` of a file, in order (the last block may be shorter)."""
+    """One digest per block of a file, in file order.
+
+    Blocks are ``block_bytes`` long (the last may be shorter) unless ``lengths`` lists each
+    block's length: a writer that knows the layout cuts blocks at tensor and rank-slice
+    boundaries (none longer than ``block_bytes``), so that a tensor-parallel rank reads and
+    verifies its own byte ranges and next to nothing else.
+    """
 
     algorithm: str
     block_bytes: int
     digests: list[str]
+    lengths: list[int] | None = None
+
+    @cached_property
+    def starts(self) -> list[int]:
+        """The file offset where each block begins, and the file's end last."""
+        if self.lengths is None:
+            return [i * self.block_bytes for i in range(len(self.digests) + 1)]
+        return [0, *itertools.accumulate(self.lengths)]
 
     def block_range(self, start: int, stop: int) -> range:
         """The indices of the blocks that hold bytes ``[start, stop)`` of the file."""
         if stop <= start:
             return range(0)
-        return range(start // self.block_bytes, (stop - 1) // self.block_bytes + 1)
+        first = bisect.bisect_right(self.starts, start) - 1
+        last = bisect.bisect_left(self.starts, stop) - 1
+        return range(max(first, 0), min(last + 1, len(self.digests)))
 
     def span(self, index: int, file_bytes: int) -> tuple[int, int]:
         """Bytes ``[start, stop)`` of the file that block ``index`` covers."""
-        start = index * self.block_bytes
-        return start, min(start + self.block_bytes, file_bytes)
+        return self.starts[index], min(self.starts[index + 1], file_bytes)
+
+    def covers(self, file_bytes: int) -> bool:
+        """Whether the blocks tile exactly ``file_bytes`` bytes, none over ``block_bytes``."""
+        if self.block_bytes < 1:
+            return False
+        if self.lengths is None:
+            return len(self.digests) == -(-file_bytes // self.block_bytes)
+        return (
+            len(self.lengths) == len(self.digests)
+            and sum(self.lengths) == file_bytes
+            and all(0 < n <= self.block_bytes for n in self.lengths)
+        )
 
 
 @dataclass(frozen=True)
@@ -110,13 +140,11 @@ class FileEntry:
     def __post_init__(self) -> None:
         if (self.sha256 is None) == (self.blocks is None):
             raise ManifestError(f"{self.name}: a file needs block digests or a sha256")
-        if self.blocks is not None:
-            expected = -(-self.bytes // self.blocks.block_bytes) if self.bytes else 0
-            if self.blocks.block_bytes < 1 or len(self.blocks.digests) != expected:
-                raise ManifestError(
-                    f"{self.name}: {len(self.blocks.digests)} block digests for "
-                    f"{self.bytes} bytes in blocks of {self.blocks.block_bytes}"
-                )
+        if self.blocks is not None and not self.blocks.covers(self.bytes):
+            raise ManifestError(
+                f"{self.name}: its {len(self.blocks.digests)} blocks do not tile its "
+                f"{self.bytes} bytes (blocks of at most {self.blocks.block_bytes})"
+            )
 
     def verify_block(self, index: int, data: bytes | memoryview) -> None:
         """Raise :class:`ManifestError` unless ``data`` is block ``index`` of this file."""
@@ -233,7 +261,8 @@ def verify_files(directory: Path, manifest: Manifest) -> None:
             continue
         with open(path, "rb") as f:
             for index in range(len(entry.blocks.digests)):
-                entry.verify_block(index, f.read(entry.blocks.block_bytes))
+                start, stop = entry.blocks.span(index, entry.bytes)
+                entry.verify_block(index, f.read(stop - start))
 
 
 def _check_file_name(name: str) -> None:

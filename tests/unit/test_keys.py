@@ -7,25 +7,24 @@ import pytest
 from weightcast.contract.keys import Keys
 
 
+def every_key(keys: Keys) -> dict[str, str]:
+    """Every key name ``Keys`` defines: each property but ``tag``, each method at version 3."""
+    names = {}
+    for attribute, member in vars(Keys).items():
+        if isinstance(member, property) and attribute != "tag":
+            names[attribute] = getattr(keys, attribute)
+        elif callable(member) and not attribute.startswith("_"):
+            names[attribute] = getattr(keys, attribute)(3)
+    return names
+
+
 def test_every_key_carries_the_namespace_hash_tag() -> None:
-    keys = Keys("prod")
-    names = [
-        keys.batches,
-        keys.dead_letters,
-        keys.latest,
-        keys.versions,
-        keys.next_version,
-        keys.events,
-        keys.nodes,
-        keys.snapshots,
-        keys.trainer_heartbeat,
-        keys.version(3),
-        keys.leases(3),
-    ]
-    assert all(name.startswith("{prod}:") for name in names)
-    assert len(set(names)) == len(names)
-    assert keys.version(3) == "{prod}:weights:v:3"
-    assert keys.leases(12) == "{prod}:weights:leases:12"
+    names = every_key(Keys("prod"))
+    assert {"batches", "quarantine", "publisher_leader", "version", "leases"} <= set(names)
+    assert all(name.startswith("{prod}:") for name in names.values()), names
+    assert len(set(names.values())) == len(names)
+    assert Keys("prod").version(3) == "{prod}:weights:v:3"
+    assert Keys("prod").leases(12) == "{prod}:weights:leases:12"
     assert Keys().batches == "{wc}:batches"
 
 

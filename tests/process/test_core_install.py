@@ -1,0 +1,153 @@
+"""The light client install: ``pip install weightcast`` (no extras) in a venv of its own.
+
+An inference node or a rollout producer installs only the core: redis, safetensors, xxhash and
+torch. The venv is built from a wheel of this checkout (the main venv is an editable install,
+so both kinds are exercised); it is reused while pyproject.toml is unchanged.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from weightcast.contract.keys import Keys
+from weightcast.local.redis_server import RedisServer
+
+from helpers import REPO, Deployment
+
+CORE_VENV = REPO / ".venv-core"
+TORCH_SPEC = os.environ.get("TORCH_SPEC", f"torch=={torch.__version__.split('+')[0]}")
+
+NODE_SCRIPT = """
+import json, sys
+import weightcast
+from weightcast import AsyncWeightsClient, BatchProducer, AsyncBatchProducer, WeightsClient
+import weightcast.client.vllm  # the vLLM integration imports without vLLM or the trainer
+
+missing = []
+for heavy in ("torchtitan", "watchdog", "transformers", "prometheus_client"):
+    try:
+        __import__(heavy)
+    except ImportError:
+        missing.append(heavy)
+redis_url, namespace, root, version = sys.argv[1:5]
+client = WeightsClient(redis_url, namespace, "core-node", root)
+with client.lease(int(version)) as info:
+    tensors = client.load(info)
+client.report_loaded(int(version))
+print(json.dumps({
+    "package": weightcast.__file__,
+    "missing": missing,
+    "tensors": {name: [list(t.shape), str(t.dtype), float(t.float().sum())]
+                for name, t in tensors.items()},
+}))
+"""
+
+
+def _fingerprint() -> str:
+    return hashlib.sha256((REPO / "pyproject.toml").read_bytes() + TORCH_SPEC.encode()).hexdigest()
+
+
+def build_wheel(out: Path) -> Path:
+    """A wheel of this checkout, built the way pip builds it for a user."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    (wheel,) = out.glob("weightcast-*.whl")
+    return wheel
+
+
+def core_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The core venv's python, built (under a lock) from a fresh wheel of this checkout."""
+    python = CORE_VENV / "bin" / "python"
+    stamp = CORE_VENV / ".fingerprint"
+    with open(REPO / ".venv-core.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (python.exists() and stamp.exists() and stamp.read_text() == _fingerprint()):
+            shutil.rmtree(CORE_VENV, ignore_errors=True)
+            subprocess.run([sys.executable, "-m", "venv", str(CORE_VENV)], check=True)
+            pip = [str(python), "-m", "pip", "install", "-q"]
+            subprocess.run([*pip, TORCH_SPEC], check=True, timeout=900)
+            stamp.write_text("")
+        wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--force-reinstall", str(wheel)],
+            check=True,
+            timeout=900,
+        )
+        stamp.write_text(_fingerprint())
+    return python
+
+
+def test_the_wheel_holds_one_weightcast_package_with_the_daemons(tmp_path: Path) -> None:
+    wheel = zipfile.ZipFile(build_wheel(tmp_path))
+    names = wheel.namelist()
+    assert "weightcast/trainer/worker.py" in names
+    assert "weightcast/publisher/daemon.py" in names
+    assert "weightcast/contract/keys.py" in names and "weightcast/py.typed" in names
+    tops = {name.split("/")[0] for name in names if not name.startswith("weightcast-")}
+    assert tops == {"weightcast"}, f"the wheel installs other top-level names: {tops}"
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    requires = [
+        line.split(":", 1)[1].strip()
+        for line in wheel.read(metadata).decode().splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
+    assert sorted(r.split(">")[0].split("=")[0].split("<")[0] for r in requires) == [
+        "redis",
+        "safetensors",
+        "torch",
+        "xxhash",
+    ]
+    assert not any("<" in r for r in requires if r.startswith("torch")), "torch is capped"
+
+
+def test_a_core_install_loads_a_version_the_full_install_published(
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    client: redis.Redis,
+    keys: Keys,
+    redis_server: RedisServer,
+) -> None:
+    python = core_python(tmp_path_factory)
+    deployment = Deployment(client, keys, tmp_path, redis_server.url)
+    version = deployment.publish()
+    expected = deployment.reader().load(version)
+    # Run from the repository root, whose folder shared/ must not shadow the package.
+    result = subprocess.run(
+        [
+            str(python),
+            "-c",
+            NODE_SCRIPT,
+            redis_server.url,
+            keys.namespace,
+            str(tmp_path / "weights"),
+            str(version),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert Path(report["package"]).is_relative_to(CORE_VENV), report["package"]
+    assert report["missing"] == ["torchtitan", "watchdog", "transformers", "prometheus_client"]
+    assert report["tensors"] == {
+        name: [list(t.shape), str(t.dtype), float(t.float().sum())] for name, t in expected.items()
+    }
+    assert json.loads(client.hget(keys.nodes, "core-node"))["version"] == version
