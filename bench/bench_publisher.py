@@ -1,18 +1,19 @@
-"""Publish time and peak RSS of the real publisher daemon against a raw copy with fsync.
+"""Publish time and peak RSS of the real publisher daemon against cp + fsync of the same bytes.
 
-For each model shape a random bf16 DCP snapshot is written once as a template. Each run then
-copies the template to ``.tmp-step-N/``, then (1) copies the template's data files into the
-weights filesystem with fsync: the baseline, the time any publish must at least spend moving
-those bytes; and (2) renames ``.tmp-step-N/`` to ``step-N/`` and times, from just before the
-rename, until the running publisher's ``published`` event arrives (watch, convert, hash,
-fsync, rename, register). A second baseline copies with ``dd oflag=direct``, which like
-the publisher's writer bypasses the page cache. Before each timing the filesystem is synced
-and left idle for a second, so earlier deletes and writeback do not land in it. Medians over
-the runs, the ratios, and the publisher's peak RSS (VmHWM, its whole life, torch import
-included) are printed.
+For each model shape a random bf16 snapshot is written once as a template (``dcp-safetensors/1``
+as the trainer writes it, or ``--format dcp-torchsave``). Each round then links the template
+into ``.tmp-step-N/`` (its pages are warm, as a snapshot the trainer has just written), then
+(1) copies the template's data files into the weights filesystem with fsync: the baseline,
+the time any publish must at least spend moving those bytes; and (2) renames
+``.tmp-step-N/`` to ``step-N/`` and times, from just before the rename, until the running
+publisher's ``published`` event arrives (watch, read headers, plan, copy, digest, check
+floats, fsync, rename, register). Before each timing the filesystem is synced and left idle
+for a second. Printed per shape: medians over the rounds, the median of the per-round ratios
+publish / baseline with its spread (min..max), and the daemon's peak RSS (VmHWM, its whole
+life, imports included). ``--json`` writes the same as JSON.
 
-    .venv/bin/python bench/bench_publisher.py                # tiny, 0.6B, 1.7B
-    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --runs 7 --reader dcp-load
+    .venv/bin/python bench/bench_publisher.py                          # tiny, 0.6B, 1.7B
+    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --rounds 7 --format dcp-torchsave
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -31,11 +33,16 @@ from pathlib import Path
 
 import redis
 import torch
-import torch.distributed.checkpoint as dcp
 
 from weightcast.contract.durable import fsync_path
 from weightcast.contract.keys import Keys
-from weightcast.contract.snapshots import SnapshotInfo
+from weightcast.contract.snapshots import (
+    FORMAT_DCP_SAFETENSORS,
+    FORMAT_DCP_TORCH_SAVE,
+    SnapshotFile,
+    SnapshotInfo,
+    data_file_name,
+)
 from weightcast.local.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,6 +52,9 @@ SHAPES = {
     "tiny": dict(layers=2, hidden=128, inter=384, heads=4, kv=2, head_dim=64, vocab=2048),
     "0.6B": dict(layers=28, hidden=1024, inter=3072, heads=16, kv=8, head_dim=128, vocab=151936),
     "1.7B": dict(layers=28, hidden=2048, inter=6144, heads=16, kv=8, head_dim=128, vocab=151936),
+    "8B": dict(
+        layers=36, hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, tied=False
+    ),
 }
 
 
@@ -59,38 +69,59 @@ def hf_config(s: dict) -> dict:
         "num_key_value_heads": s["kv"],
         "head_dim": s["head_dim"],
         "vocab_size": s["vocab"],
-        "tie_word_embeddings": True,
+        "tie_word_embeddings": s.get("tied", True),
         "torch_dtype": "bfloat16",
     }
 
 
-def write_template(path: Path, s: dict) -> int:
-    """A random bf16 snapshot in HF names; returns the bytes of its data files."""
-    gen = torch.Generator().manual_seed(0)
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=gen, dtype=torch.float32).to(torch.bfloat16)
-
+def hf_shapes(s: dict) -> dict[str, tuple[int, ...]]:
     h, q, kv, inter = s["hidden"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"], s["inter"]
-    state = {"model.embed_tokens.weight": rand(s["vocab"], h), "model.norm.weight": rand(h)}
+    shapes = {"model.embed_tokens.weight": (s["vocab"], h), "model.norm.weight": (h,)}
+    if not s.get("tied", True):
+        shapes["lm_head.weight"] = (s["vocab"], h)
     for i in range(s["layers"]):
         p = f"model.layers.{i}"
-        state |= {
-            f"{p}.self_attn.q_proj.weight": rand(q, h),
-            f"{p}.self_attn.k_proj.weight": rand(kv, h),
-            f"{p}.self_attn.v_proj.weight": rand(kv, h),
-            f"{p}.self_attn.o_proj.weight": rand(h, q),
-            f"{p}.self_attn.q_norm.weight": rand(s["head_dim"]),
-            f"{p}.self_attn.k_norm.weight": rand(s["head_dim"]),
-            f"{p}.mlp.gate_proj.weight": rand(inter, h),
-            f"{p}.mlp.up_proj.weight": rand(inter, h),
-            f"{p}.mlp.down_proj.weight": rand(h, inter),
-            f"{p}.input_layernorm.weight": rand(h),
-            f"{p}.post_attention_layernorm.weight": rand(h),
+        shapes |= {
+            f"{p}.self_attn.q_proj.weight": (q, h),
+            f"{p}.self_attn.k_proj.weight": (kv, h),
+            f"{p}.self_attn.v_proj.weight": (kv, h),
+            f"{p}.self_attn.o_proj.weight": (h, q),
+            f"{p}.self_attn.q_norm.weight": (s["head_dim"],),
+            f"{p}.self_attn.k_norm.weight": (s["head_dim"],),
+            f"{p}.mlp.gate_proj.weight": (inter, h),
+            f"{p}.mlp.up_proj.weight": (inter, h),
+            f"{p}.mlp.down_proj.weight": (h, inter),
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
         }
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    return shapes
+
+
+def write_template(path: Path, s: dict, format: str) -> tuple[int, tuple[SnapshotFile, ...]]:
+    """A random bf16 snapshot in HF names; the bytes of its data files and their listing."""
+    gen = torch.Generator().manual_seed(0)
+    state = {
+        name: torch.empty(size, dtype=torch.bfloat16).normal_(generator=gen)
+        for name, size in hf_shapes(s).items()
+    }
+    path.mkdir(parents=True)
+    files: tuple[SnapshotFile, ...] = ()
+    if format == FORMAT_DCP_SAFETENSORS:
+        from weightcast.trainer.snapshot_storage import write_file
+
+        offsets = {n: {"saved_offsets": [0] * t.dim()} for n, t in state.items()}
+        name = data_file_name(0)
+        files = (SnapshotFile(name, write_file(path / name, state, offsets)),)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
     (path / "config.json").write_text(json.dumps(hf_config(s)))
-    return sum(f.stat().st_size for f in path.glob("*.distcp"))
+    return sum(f.stat().st_size for f in data_files(path)), files
+
+
+def data_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".distcp"))
 
 
 def settle() -> None:
@@ -103,7 +134,7 @@ def raw_copy(template: Path, target: Path) -> float:
     """Copy the template's data files with fsync: the baseline (the caller removes ``target``)."""
     start = time.perf_counter()
     target.mkdir()
-    for src in sorted(template.glob("*.distcp")):
+    for src in data_files(template):
         dst = target / src.name
         shutil.copyfile(src, dst)
         fsync_path(dst)
@@ -111,18 +142,15 @@ def raw_copy(template: Path, target: Path) -> float:
     return time.perf_counter() - start
 
 
-def direct_copy(template: Path, target: Path) -> float:
-    """The same bytes with ``dd oflag=direct conv=fsync``: a copy that bypasses the page cache,
-    as the publisher's writer does (the fastest plain copy on this kind of disk)."""
-    start = time.perf_counter()
-    target.mkdir()
-    for src in sorted(template.glob("*.distcp")):
-        subprocess.run(
-            ["dd", f"if={src}", f"of={target / src.name}", "bs=16M", "oflag=direct", "conv=fsync"],
-            check=True,
-            capture_output=True,
-        )
-    return time.perf_counter() - start
+def publisher_env(url: str, keys: Keys, checkpoints: Path, weights: Path) -> dict[str, str]:
+    """The environment of a publisher (or node) process of this benchmark."""
+    return {
+        **os.environ,
+        "WEIGHTCAST_REDIS_URL": url,
+        "WEIGHTCAST_NAMESPACE": keys.namespace,
+        "WEIGHTCAST_CHECKPOINT_DIR": str(checkpoints),
+        "WEIGHTCAST_WEIGHTS_DIR": str(weights),
+    }
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -132,94 +160,112 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def bench_shape(name: str, runs: int, root: Path, server: RedisServer, args: argparse.Namespace):
+def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -> dict:
     work = root / name
     checkpoints, weights, template = work / "checkpoints", work / "weights", work / "template"
     for d in (checkpoints, weights):
         d.mkdir(parents=True)
-    nbytes = write_template(template, SHAPES[name])
+    nbytes, files = write_template(template, SHAPES[name], args.format)
     keys = Keys(f"bench-{uuid.uuid4().hex[:6]}")
     client = redis.Redis.from_url(server.url)
     events = client.pubsub()
     events.subscribe(keys.events)
-    env = {
-        **os.environ,
-        "WEIGHTCAST_REDIS_URL": server.url,
-        "WEIGHTCAST_NAMESPACE": keys.namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(checkpoints),
-        "WEIGHTCAST_WEIGHTS_DIR": str(weights),
-    }
+    env = publisher_env(server.url, keys, checkpoints, weights)
     log = open(work / "publisher.log", "wb")  # noqa: SIM115 (closed below)
     command = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(args.tp)]
-    command += ["--reader", args.reader, "--rescan-seconds", "30"]
-    daemon = subprocess.Popen(
-        command,
-        env=env,
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    command += ["--reader", args.reader, "--rescan-seconds", "30", "--layout", args.layout]
+    command += ["--digest", args.digest, "--keep", "1"]
+    daemon = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while not client.get(keys.publisher_leader):
             assert daemon.poll() is None, (work / "publisher.log").read_text()
             assert time.monotonic() < deadline, "publisher did not start"
             time.sleep(0.1)
-        raw, direct, publish = [], [], []
-        for step in range(1, runs + 1):
+        raw, publish = [], []
+        for step in range(1, rounds + 1):
             tmp = checkpoints / f".tmp-step-{step}"
-            shutil.copytree(template, tmp)
-            SnapshotInfo(uuid.uuid4().hex, "bench", step, time.time(), "bfloat16", name).write(tmp)
+            shutil.copytree(template, tmp, copy_function=os.link)  # warm pages, no space
+            info = SnapshotInfo(
+                uuid.uuid4().hex, "bench", step, time.time(), "bfloat16", name, args.format, files
+            )
+            info.write(tmp)
             settle()
             raw.append(raw_copy(template, weights / f".raw-{step}"))
-            settle()
-            direct.append(direct_copy(template, weights / f".direct-{step}"))
+            shutil.rmtree(weights / f".raw-{step}")
             settle()
             start = time.perf_counter()
             os.rename(tmp, checkpoints / f"step-{step}")
             while True:
-                message = events.get_message(timeout=120)
+                message = events.get_message(timeout=600)
                 assert message is not None, (work / "publisher.log").read_text()
                 if message["type"] == "message":
                     assert json.loads(message["data"])["event"] == "published"
                     break
             publish.append(time.perf_counter() - start)
             events.get_message(timeout=0.5)  # an eviction event, if any
-            shutil.rmtree(weights / f".raw-{step}")
-            shutil.rmtree(weights / f".direct-{step}")
+            shutil.rmtree(checkpoints / f"step-{step}", ignore_errors=True)  # disk for 8B
         rss = peak_rss_mb(daemon.pid)
     finally:
         daemon.terminate()
         daemon.wait(timeout=60)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
-    return nbytes, *(statistics.median(x) for x in (raw, direct, publish)), rss
+    ratios = [p / r for p, r in zip(publish, raw, strict=True)]
+    return {
+        "shape": name,
+        "bytes": nbytes,
+        "rounds": rounds,
+        "cp_fsync_s": statistics.median(raw),
+        "publish_s": statistics.median(publish),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "publish_GBps": nbytes / statistics.median(publish) / 1e9,
+        "peak_rss_mb": rss,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", default=["tiny", "0.6B", "1.7B"], choices=SHAPES)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--layout", default="vllm-fused", choices=["vllm-fused", "hf", "both"])
     parser.add_argument("--reader", default="auto", choices=["auto", "dcp-load"])
+    parser.add_argument("--digest", default="xxh3-128", choices=["xxh3-128", "blake3"])
+    parser.add_argument(
+        "--format",
+        default=FORMAT_DCP_SAFETENSORS,
+        choices=[FORMAT_DCP_SAFETENSORS, FORMAT_DCP_TORCH_SAVE],
+    )
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: /tmp)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
-    print(f"reader={args.reader} tp={args.tp} runs={args.runs} dir={root}")
+    machine = f"{platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    settings = f"format={args.format} reader={args.reader} layout={args.layout} tp={args.tp}"
+    print(f"{machine}; {settings} digest={args.digest} rounds={args.rounds} dir={root}")
     print(
-        f"{'shape':>6} {'GB':>6} {'raw copy s':>10} {'dd direct s':>11} {'publish s':>10} "
-        f"{'ratio':>6} {'vs dd':>6} {'RSS MB':>7}"
+        f"{'shape':>6} {'GB':>6} {'cp+fsync s':>10} {'publish s':>10} {'ratio':>6} "
+        f"{'spread':>11} {'GB/s':>5} {'RSS MB':>7}"
     )
+    results = []
     with RedisServer(root / "redis") as server:
         for name in args.shapes:
-            runs = max(3, args.runs if name != "1.7B" else min(args.runs, 3))
-            nbytes, raw, direct, publish, rss = bench_shape(name, runs, root, server, args)
+            r = bench_shape(name, max(3, args.rounds), root, server, args)
+            results.append(r)
             print(
-                f"{name:>6} {nbytes / 1e9:6.2f} {raw:10.3f} {direct:11.3f} {publish:10.3f} "
-                f"{publish / raw:6.2f} {publish / direct:6.2f} {rss:7.0f}",
+                f"{name:>6} {r['bytes'] / 1e9:6.2f} {r['cp_fsync_s']:10.3f} {r['publish_s']:10.3f} "
+                f"{r['ratio']:6.2f} {r['ratio_min']:5.2f}..{r['ratio_max']:<5.2f} "
+                f"{r['publish_GBps']:5.2f} {r['peak_rss_mb']:7.0f}",
                 flush=True,
             )
     shutil.rmtree(root, ignore_errors=True)
+    if args.json:
+        given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        report = {"machine": machine, "settings": given, "results": results}
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

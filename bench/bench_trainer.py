@@ -123,7 +123,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=0, help="default by model")
     parser.add_argument("--seq-len", type=int, default=0, help="default by model")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     options = parser.parse_args()
+    results = []
     defaults = {"tiny": (30, 4, 64), "small": (10, 2, 256)}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, cuda={torch.cuda.is_available()}")
     base_name, measured_name = (name for name, _, _ in SETTINGS[options.compare])
@@ -161,12 +163,30 @@ def main() -> None:
                 flavor.dim * flavor.head_dim * (2 * flavor.n_heads + 2 * flavor.n_kv_heads)
                 + 3 * flavor.dim * flavor.hidden_dim
             )
+            spread = [
+                m / b for m, b in zip(medians[measured_name], medians[base_name], strict=True)
+            ]
+            results.append(
+                {
+                    "model": model,
+                    "compare": options.compare,
+                    base_name: base,
+                    measured_name: measured,
+                    "ratio": measured / base,
+                    "ratio_min": min(spread),
+                    "ratio_max": max(spread),
+                    "skipped": skipped,
+                    "cuda": torch.cuda.is_available(),
+                }
+            )
             print(
                 f"{model:<8} {params / 1e6:5.0f}M  {params * 2 / 1e9:5.2f} GB  "
                 f"{args.batch_size} x {args.seq_len:<6}  {base:10.4f}  {measured:14.4f}  "
                 f"{measured / base:5.2f}x  {skipped}/{options.repeats * (args.steps - 1)}  "
                 + (written if options.compare == "checkpoint" else "")
             )
+    if options.json:
+        options.json.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

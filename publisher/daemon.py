@@ -5,17 +5,26 @@ standby and takes over within the lock's TTL when the leader dies. A scan runs a
 after every watchdog hint and at least every ``rescan_seconds``. When several snapshots are
 pending only the newest is published; the older ones are recorded as skipped. Published,
 skipped and quarantined snapshots are removed from the checkpoint directory except the
-newest two. A Redis outage or a failing disk (full, read-only) is retried with exponential
-back-off: nothing is registered meanwhile, temp files are removed, ``/healthz`` says 503.
+newest two. A Redis outage is ridden out for ``redis_retry_seconds``
+(:class:`~weightcast.runtime.retry.Outage`), a failing disk (full, read-only) is retried
+without end, both with capped exponential back-off: nothing is registered meanwhile, temp
+files are removed, ``/healthz`` says 503.
+
+One publish, from the daemon to the registry: :meth:`Publisher.publish` calls
+:func:`~weightcast.publisher.converter.convert` (snapshot source -> layout plan -> writer ->
+``v<N>/``), then :meth:`Publisher.register`. The registry records ``path`` relative to the
+weights directory (``v17``, ``v17/hf``), so every node resolves it against its own mount.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +34,31 @@ from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
 from weightcast.contract.errors import ConfigError
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.layout import LayoutError
+from weightcast.contract.manifest import ManifestError, new_hasher
+from weightcast.contract.snapshots import snapshot_step
 from weightcast.publisher.converter import (
     TMP_VERSION_PREFIX,
     ConvertOptions,
+    Published,
     convert,
+    version_dir_name,
 )
 from weightcast.publisher.eviction import Evictor
 from weightcast.publisher.leader import LeaderLock
 from weightcast.publisher.metrics import PublisherMetrics
 from weightcast.publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
-from weightcast.publisher.snapshot_reader import CorruptSnapshot, Snapshot, complete_snapshots
+from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot, complete_snapshots
 from weightcast.publisher.watcher import SnapshotWatcher
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
+from weightcast.runtime.retry import REDIS_DOWN, Outage
 
 log = get_logger("publisher")
 
 KEEP_SNAPSHOTS = 2
 QUARANTINE_DIR = "quarantine"
 REASON_FILE = "REASON.txt"
-REDIS_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
@@ -57,7 +70,13 @@ class Publisher:
     def __init__(self, config: Config) -> None:
         cfg = config.publisher
         self.cfg = cfg
-        self.options = ConvertOptions(cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader)
+        try:
+            new_hasher(cfg.digest)
+        except ManifestError as exc:
+            raise ConfigError(f"publisher.digest={cfg.digest}: {exc}") from None
+        self.options = ConvertOptions(
+            cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader, cfg.digest
+        )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
         self.keys = Keys(config.common.namespace)
@@ -69,19 +88,65 @@ class Publisher:
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
         self.stopping = threading.Event()
-        self.failures = 0
+        self.outage = Outage(budget=config.common.redis_retry_seconds, cap=cfg.retry_max_seconds)
+        self.disk_failures = 0
         self.last_error = ""
         self.last_tick = time.monotonic()
         self.announced_standby = False
+        self.watcher: SnapshotWatcher | None = None
         self._health_redis = redis.Redis.from_url(
             config.common.redis_url, socket_timeout=1, socket_connect_timeout=1
         )
 
     def run(self) -> None:
+        """Serve until SIGTERM/SIGINT, or with ``--once`` publish what is there and return."""
+        with self._serving() as watcher:
+            if self.cfg.once:
+                self.publish_once(watcher)
+            else:
+                while not self.stopping.is_set():
+                    delay = self.round()
+                    self.last_tick = time.monotonic()
+                    watcher.wait(delay)
+
+    def round(self) -> float:
+        """One round of the loop: lead or stand by, then scan; the wait before the next.
+
+        A Redis outage or a disk error ends the round early; the wait is then the back-off.
+        """
+        try:
+            if not self.ensure_leader():
+                return min(self.cfg.rescan_seconds, self.cfg.leader_ttl_seconds / 3)
+            self.scan_once()
+        except REDIS_DOWN as exc:
+            self.metrics.errors.labels("redis").inc()
+            self.last_error = f"redis: {exc}"
+            return self.outage.failed(exc, "publishing")
+        except OSError as exc:
+            return self._disk_failed(exc)
+        self._recovered()
+        return self.cfg.rescan_seconds
+
+    def publish_once(self, watcher: SnapshotWatcher) -> None:
+        """``--once``: take the lock (waiting at most two TTLs), publish what is complete."""
+        deadline = time.monotonic() + 2 * self.cfg.leader_ttl_seconds
+        while not self.ensure_leader():
+            if time.monotonic() > deadline:
+                raise NotLeader(
+                    f"another publisher ({self.lock.current_holder()}) holds the "
+                    "lock; stop it or wait for its lock to expire"
+                )
+            watcher.wait(self.cfg.leader_ttl_seconds / 3)
+        self.scan_once()
+
+    @contextlib.contextmanager
+    def _serving(self) -> Iterator[SnapshotWatcher]:
+        """Directories, signal handlers, /metrics and the watcher, for one run."""
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
-        watcher = SnapshotWatcher(self.checkpoint_dir, poll=self.cfg.poll)
-        self._install_signal_handlers(watcher)
+        watcher = self.watcher = SnapshotWatcher(self.checkpoint_dir, poll=self.cfg.poll)
+        if threading.current_thread() is threading.main_thread():
+            self._install_signal_handlers()
         server = serve(self.cfg.metrics_port, self.health, self.metrics.render)
         watcher.start()
         log.info(
@@ -91,47 +156,20 @@ class Publisher:
             tp=self.cfg.tp,
             layout=self.cfg.layout,
             per_rank_files=self.cfg.per_rank_files,
+            digest=self.cfg.digest,
             keep=self.cfg.keep,
             holder=self.lock.holder,
             observer=type(watcher.observer).__name__,
         )
-        standby_since = time.monotonic()
         try:
-            while not self.stopping.is_set():
-                delay = self.cfg.rescan_seconds
-                try:
-                    if self.ensure_leader():
-                        self.scan_once()
-                        self._succeeded()
-                        if self.cfg.once:
-                            break
-                    else:
-                        delay = min(delay, self.cfg.leader_ttl_seconds / 3)
-                        if self.cfg.once and time.monotonic() - standby_since > 2 * (
-                            self.cfg.leader_ttl_seconds
-                        ):
-                            raise NotLeader(
-                                f"another publisher ({self.lock.current_holder()}) holds the "
-                                "lock; stop it or wait for its lock to expire"
-                            )
-                except REDIS_ERRORS as exc:
-                    if self.cfg.once:
-                        raise
-                    delay = self._failed("redis", exc)
-                    log.warning("Redis unreachable; retrying", error=exc, retry_in=delay)
-                except OSError as exc:
-                    if self.cfg.once:
-                        raise
-                    delay = self._failed("disk", exc)
-                    log.error("filesystem error; retrying", error=exc, retry_in=delay)
-                self.last_tick = time.monotonic()
-                watcher.wait(delay)
+            yield watcher
         finally:
+            self.watcher = None
             watcher.stop()
             self.lock.release()
             if server is not None:
                 server.close()
-        log.info("publisher stopped")
+            log.info("publisher stopped")
 
     def ensure_leader(self) -> bool:
         """Hold the publisher lock; on taking it, clean what a crashed leader left."""
@@ -155,36 +193,35 @@ class Publisher:
         if not self.lock.held and not self.lock.try_acquire():
             log.info("not the active publisher; scan skipped")
             return
-        snapshots, broken = complete_snapshots(self.checkpoint_dir)
-        for path, reason in broken:
-            self.quarantine(path, None, reason)
-        handled = self.registry.handled()
-        pending = [s for s in snapshots if s.info.snapshot_id not in handled]
+        pending = self.pending_snapshots()
         if pending:
-            for older in pending[:-1]:
-                self.registry.mark(older.info.snapshot_id, SNAPSHOT_SKIPPED)
-                self.metrics.skipped.inc()
-                log.info(
-                    "skipped snapshot (a newer one is pending)",
-                    step=older.step,
-                    path=str(older.path),
-                )
             self.publish(pending[-1])
-        result = self.evictor.run()
-        for version in result.evicted:
-            self.metrics.evicted.inc()
-            log.info("evicted version", version=version)
-        for version in result.leased:
-            self.metrics.lease_waits.inc()
-            log.info("eviction waits for a lease", version=version)
+        self.evict()
         self.prune_snapshots()
         self.prune_quarantine()
 
+    def pending_snapshots(self) -> list[Snapshot]:
+        """Complete snapshots not yet handled, oldest first; the broken ones quarantined and
+        all but the newest recorded as skipped."""
+        snapshots, broken = complete_snapshots(self.checkpoint_dir)
+        for path, reason in broken:
+            self.quarantine(path, None, reason, snapshot_step(path.name))
+        handled = self.registry.handled()
+        pending = [s for s in snapshots if s.info.snapshot_id not in handled]
+        for older in pending[:-1]:
+            self.registry.mark(older.info.snapshot_id, SNAPSHOT_SKIPPED)
+            self.metrics.skipped.inc()
+            log.info(
+                "skipped snapshot (a newer one is pending)", step=older.step, path=str(older.path)
+            )
+        return pending
+
     def publish(self, snapshot: Snapshot) -> None:
+        """Convert ``snapshot`` into a new version directory and register it."""
         start = time.perf_counter()
         version = self.registry.allocate_version()
         try:
-            published = convert(snapshot, self.weights_dir, version, options=self.options)
+            published = convert(snapshot, self.weights_dir, version, self.options)
         except CorruptSnapshot as exc:
             self.quarantine(snapshot.path, snapshot.info.snapshot_id, str(exc), snapshot.step)
             return
@@ -192,29 +229,14 @@ class Publisher:
             raise ConfigError(
                 f"publisher.tp={self.cfg.tp} cannot serve the model of {snapshot.path}: {exc}"
             ) from None
-        manifest = published.manifest
-        fields: dict[str, Any] = {
-            "path": str(published.path.resolve()),
-            "step": snapshot.step,
-            "layout": manifest.layout,
-            "tp": self.cfg.tp,
-            "dtype": manifest.dtype,
-            "bytes": manifest.total_bytes,
-            "manifest_sha256": published.manifest_sha256,
-            "run_id": snapshot.info.run_id,
-            "snapshot_id": snapshot.info.snapshot_id,
-            "snapshot_created_at": snapshot.info.created_at,
-            "per_rank_files": int(manifest.per_rank_files),
-        }
-        if manifest.hf_dir:
-            fields["hf_path"] = str((published.path / manifest.hf_dir).resolve())
-        outcome, lag = self._register(version, snapshot, fields)
+        outcome, lag = self.register(version, snapshot, published)
         if outcome != REGISTERED:
             why = "already handled" if outcome == ALREADY_HANDLED else "lost the publisher lock"
             log.warning("version not registered; removing it", version=version, reason=why)
             remove_dir(published.path)
             return
         seconds = time.perf_counter() - start
+        manifest = published.manifest
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.lag_seconds.observe(lag)
         self.metrics.bytes.inc(manifest.total_bytes)
@@ -228,17 +250,38 @@ class Publisher:
             seconds=seconds,
             lag_s=lag,
             reader=published.reader,
+            linked=published.linked,
         )
 
-    def _register(self, version: int, snapshot: Snapshot, fields: dict[str, Any]) -> tuple:
-        """Register, riding out a Redis outage; the version directory is already whole."""
+    def register(self, version: int, snapshot: Snapshot, published: Published) -> tuple[int, float]:
+        """Register the whole version directory, riding out a Redis outage; (outcome, lag).
+
+        ``path`` (and ``hf_path``) are relative to the weights directory.
+        """
+        manifest = published.manifest
+        path = version_dir_name(version)
+        fields: dict[str, Any] = {
+            "path": path,
+            "step": snapshot.step,
+            "layout": manifest.layout,
+            "tp": manifest.tp,
+            "dtype": manifest.dtype,
+            "bytes": manifest.total_bytes,
+            "manifest_sha256": published.manifest_sha256,
+            "run_id": snapshot.info.run_id,
+            "snapshot_id": snapshot.info.snapshot_id,
+            "snapshot_created_at": snapshot.info.created_at,
+            "per_rank_files": int(manifest.per_rank_files),
+        }
+        if manifest.hf_dir:
+            fields["hf_path"] = f"{path}/{manifest.hf_dir}"
         while True:
             registered_at = time.time()
             lag = registered_at - snapshot.info.created_at
             event = {
                 "step": snapshot.step,
                 "lag_s": round(lag, 4),
-                "path": fields["path"],
+                "path": path,
                 "snapshot_id": snapshot.info.snapshot_id,
             }
             try:
@@ -252,17 +295,21 @@ class Publisher:
                     self.lock.holder,
                 )
                 return outcome, lag
-            except REDIS_ERRORS as exc:
+            except REDIS_DOWN as exc:
                 if self.stopping.is_set() or self.cfg.once:
                     raise  # the unregistered directory is removed at the next start
-                delay = self._failed("redis", exc)
-                log.warning(
-                    "Redis unreachable while registering; retrying",
-                    version=version,
-                    error=exc,
-                    retry_in=delay,
-                )
-                self.stopping.wait(delay)
+                self.metrics.errors.labels("redis").inc()
+                self.stopping.wait(self.outage.failed(exc, f"registering version {version}"))
+
+    def evict(self) -> None:
+        """Keep the newest ``keep`` versions, and any a reader leases."""
+        result = self.evictor.run()
+        for version in result.evicted:
+            self.metrics.evicted.inc()
+            log.info("evicted version", version=version)
+        for version in result.leased:
+            self.metrics.lease_waits.inc()
+            log.info("eviction waits for a lease", version=version)
 
     def quarantine(
         self, path: Path, snapshot_id: str | None, reason: str, step: int | None = None
@@ -317,12 +364,14 @@ class Publisher:
             log.info("removed leftovers of an earlier run", entries=",".join(sorted(removed)))
 
     def health(self) -> Health:
-        """Unhealthy when Redis does not answer or the loop has not ticked for a long while."""
+        """Unhealthy when Redis does not answer, a failure is being retried, or the loop has
+        not ticked for a long while."""
         stalled = time.monotonic() - self.last_tick
+        failures = self.outage.attempts + self.disk_failures
         detail: dict[str, Any] = {
             "leader": self.lock.held,
             "seconds_since_loop": round(stalled, 1),
-            "consecutive_failures": self.failures,
+            "consecutive_failures": failures,
             "last_error": self.last_error,
         }
         try:
@@ -331,29 +380,34 @@ class Publisher:
         except redis.RedisError as exc:
             detail["redis"] = f"unreachable: {exc}"
         limit = max(120.0, 10 * self.cfg.rescan_seconds, 4 * self.cfg.retry_max_seconds)
-        ok = detail["redis"] == "ok" and stalled < limit and self.failures == 0
+        ok = detail["redis"] == "ok" and stalled < limit and failures == 0
         return Health(ok, detail)
 
-    def _succeeded(self) -> None:
-        if self.failures:
-            log.info("recovered", after_failures=self.failures)
-        self.failures = 0
+    def _recovered(self) -> None:
+        if self.disk_failures:
+            log.info("filesystem recovered", after_failures=self.disk_failures)
+        self.outage.recovered()
+        self.disk_failures = 0
         self.last_error = ""
 
-    def _failed(self, kind: str, exc: BaseException) -> float:
-        """Count a failure; the back-off before the next try."""
-        self.metrics.errors.labels(kind).inc()
-        self.failures += 1
-        self.last_error = f"{kind}: {exc}"
-        return min(self.cfg.retry_max_seconds, 0.5 * 2 ** (self.failures - 1))
+    def _disk_failed(self, exc: OSError) -> float:
+        """Count a filesystem failure; the back-off before the next try."""
+        self.metrics.errors.labels("disk").inc()
+        self.disk_failures += 1
+        self.last_error = f"disk: {exc}"
+        delay = min(self.cfg.retry_max_seconds, 0.5 * 2 ** (self.disk_failures - 1))
+        log.error("filesystem error; retrying", error=exc, retry_in=delay)
+        return delay
 
-    def _install_signal_handlers(self, watcher: SnapshotWatcher) -> None:
-        def request_stop(signum: int, _frame: Any) -> None:
-            self.stopping.set()
-            watcher.poke()
+    def stop(self) -> None:
+        """Ask :meth:`run` to return (what SIGTERM and SIGINT do)."""
+        self.stopping.set()
+        if self.watcher is not None:
+            self.watcher.poke()
 
-        signal.signal(signal.SIGTERM, request_stop)
-        signal.signal(signal.SIGINT, request_stop)
+    def _install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, lambda _signum, _frame: self.stop())
+        signal.signal(signal.SIGINT, lambda _signum, _frame: self.stop())
 
 
 def run_publisher(config: Config) -> int:

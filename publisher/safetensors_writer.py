@@ -1,65 +1,62 @@
-"""Write a safetensors file by copying byte ranges, never holding the tensors in memory.
+"""Write a safetensors file by copying byte ranges; digest and check it on the way.
 
-The header is built the way ``safetensors.torch.save_file`` builds it (tensors ordered by
-dtype, widest alignment first, then by name; compact JSON; padded with spaces to 8 bytes), so
-a file written here is byte for byte the file ``save_file`` writes for the same tensors.
+The header is built the way ``safetensors.torch.save_file`` builds it
+(:mod:`weightcast.contract.tensorfile`), so a file written here is byte for byte the file
+``save_file`` writes for the same tensors. Data comes from :class:`FileRange` pieces (byte
+ranges of the snapshot's files), :class:`Columns` pieces (a column block of a row-major
+matrix, for per-rank files) or bytes already in memory (the ``dcp.load`` fallback).
 
-Data comes from :class:`FileRange` pieces (byte ranges of the snapshot's files),
-:class:`Columns` pieces (a column block of a row-major matrix, for per-rank files) or bytes
-already in memory. They are gathered into a few reused, page-aligned buffers: the calling
-thread fills one, a hash thread hashes the one before (the manifest's sha256 costs no extra
-pass) and a writer thread writes an earlier one with ``O_DIRECT``, so reading, hashing and
-the disk overlap and the page cache is neither filled nor flushed. Filesystems without
-``O_DIRECT`` (tmpfs) get ordinary writes.
+Pieces are gathered into a ring of page-aligned 16 MiB buffers. The calling thread fills
+them in file order; hash threads take each full buffer, compute the manifest's per-block
+digests of the blocks it holds (a buffer holds exactly four 4 MiB blocks, so buffers hash
+independently and in parallel) and check every float tensor's bytes in it for NaN and
+infinity; a writer thread then writes it at its offset with ``O_DIRECT`` (ordinary writes on
+filesystems without it, such as tmpfs). Reading, hashing, checking and the disk overlap, every
+byte is touched once, and memory stays at the ring's size whatever the model's.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import fcntl
-import hashlib
-import json
-import math
 import mmap
 import os
 import queue
-import struct
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from weightcast.contract.manifest import FileEntry
+from weightcast.contract.manifest import BLOCK_BYTES, BlockDigests, FileEntry, new_hasher
+from weightcast.contract.tensorfile import (
+    DTYPE_SIZES,
+    NON_FINITE,
+    TensorSpan,
+    encode_header,
+    file_order,
+)
 
 BUFFER_BYTES = 16 * 1024 * 1024
-BUFFERS = 4
+BUFFERS = 6
+HASH_THREADS = max(2, min(4, (os.cpu_count() or 2) // 2))
 _ALIGN = 4096
-
-_DTYPE_NAMES = {
-    torch.bool: "BOOL",
-    torch.uint8: "U8",
-    torch.int8: "I8",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.int16: "I16",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int32: "I32",
-    torch.float32: "F32",
-    torch.float64: "F64",
-    torch.int64: "I64",
-}
-_DTYPE_ORDER = {name: i for i, name in enumerate(_DTYPE_NAMES.values())}
-"""safetensors' ``Dtype`` enum order; ``save_file`` writes the widest (last) first."""
-
-_NO_COPY_FILE_RANGE = (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+_CHECK_BYTES = 1024 * 1024
+"""The finiteness check works through a buffer in slices this size (they stay in cache)."""
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_METADATA = {"format": "pt"}
+assert BUFFER_BYTES % BLOCK_BYTES == 0 and BUFFER_BYTES % _ALIGN == 0
 
 
 class SourceEnded(OSError):
     """A source file ended before a piece it should hold (a snapshot truncated under us)."""
+
+
+class NonFiniteTensor(ValueError):
+    """A float tensor holds NaN or infinity; the message names it."""
 
 
 @dataclass(frozen=True)
@@ -88,14 +85,19 @@ Piece = FileRange | Columns | memoryview
 
 @dataclass(frozen=True)
 class OutputTensor:
+    """A tensor to write: safetensors dtype, shape, and the pieces its bytes come from."""
+
     name: str
-    dtype: torch.dtype
+    dtype: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        size = DTYPE_SIZES[self.dtype]
+        for dim in self.shape:
+            size *= dim
+        return size
 
 
 def piece_bytes(piece: Piece) -> int:
@@ -106,94 +108,127 @@ def piece_bytes(piece: Piece) -> int:
     return piece.nbytes
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    try:
-        return _DTYPE_NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"safetensors cannot hold {dtype}") from None
-
-
-def file_order(tensors: Iterable[OutputTensor]) -> list[OutputTensor]:
-    """The order ``save_file`` lays tensors out in: widest dtype first, then by name."""
-    return sorted(tensors, key=lambda t: (-_DTYPE_ORDER[dtype_name(t.dtype)], t.name))
-
-
-def header(tensors: Sequence[OutputTensor], metadata: Mapping[str, str]) -> bytes:
-    """The length prefix and JSON header for ``tensors`` already in :func:`file_order`."""
-    entries: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    for t in tensors:
-        entries[t.name] = {
-            "dtype": dtype_name(t.dtype),
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + t.nbytes],
-        }
-        offset += t.nbytes
-    text = json.dumps(entries, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
 def write_safetensors(
-    path: Path, tensors: Iterable[OutputTensor], metadata: Mapping[str, str]
+    path: Path, tensors: Sequence[OutputTensor], digest: str, name: str | None = None
 ) -> FileEntry:
-    """Write ``tensors`` to a new file at ``path`` and fsync it; returns its manifest entry."""
-    ordered = file_order(tensors)
-    for t in ordered:
+    """Write ``tensors`` to a new file at ``path``, fsync it; its manifest entry (``name``,
+    default the file's name). Raises :class:`NonFiniteTensor` for a NaN or infinity."""
+    ordered = {t.name: t for t in tensors}
+    order = [ordered[n] for n, _ in file_order((t.name, t.dtype) for t in tensors)]
+    for t in order:
         got = sum(piece_bytes(p) for p in t.pieces)
         if got != t.nbytes:
-            raise ValueError(f"{t.name}: pieces hold {got} bytes, shape {t.shape} needs {t.nbytes}")
-    with _PipelinedWriter(path) as writer:
-        writer.append(memoryview(header(ordered, metadata)))
-        for t in ordered:
-            for piece in t.pieces:
-                writer.copy(piece)
-    return FileEntry(path.name, writer.size, writer.digest.hexdigest())
+            need = f"{t.dtype} {t.shape} needs {t.nbytes}"
+            raise ValueError(f"{t.name}: pieces hold {got} bytes, {need}")
+    header = encode_header([(t.name, t.dtype, t.shape) for t in order], _METADATA)
+    spans, at = [], len(header)
+    for t in order:
+        spans.append(TensorSpan(t.name, t.dtype, t.shape, at, at + t.nbytes))
+        at += t.nbytes
+    fd, direct = _open_output(path)
+    try:
+        with _Pipeline(at, spans, digest, fd, direct) as pipeline:
+            pipeline.append(memoryview(header))
+            for t in order:
+                for piece in t.pieces:
+                    pipeline.copy(piece)
+        os.ftruncate(fd, at)  # drop the padding of the last direct write
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return FileEntry(name or path.name, at, blocks=pipeline.digests)
 
 
-class _PipelinedWriter:
-    """Fill here, hash in one thread, write in another: a ring of aligned buffers."""
+def digest_file(path: Path, spans: Sequence[TensorSpan], digest: str, name: str) -> FileEntry:
+    """The manifest entry of an existing file (one read), its float ``spans`` checked."""
+    size = os.path.getsize(path)
+    with _Pipeline(size, spans, digest, None, False) as pipeline:
+        pipeline.copy(FileRange(path, 0, size))
+    return FileEntry(name, size, blocks=pipeline.digests)
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.digest = hashlib.sha256()
-        self.size = 0
+
+def link_file(source: Path, target: Path) -> str:
+    """Make ``target`` the same bytes as ``source`` without copying them, if the filesystem
+    can: a reflink (its own inode, copy-on-write) or a hard link. Returns how, or "" when
+    neither works (another filesystem, no link support) and the caller must copy."""
+    with contextlib.suppress(OSError):
+        with open(source, "rb") as src, open(target, "xb") as dst:
+            fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
+            os.fsync(dst.fileno())
+        return "reflink"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(target)
+    try:
+        os.link(source, target)
+    except OSError as exc:
+        if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+            return ""
+        raise
+    return "link"
+
+
+_FICLONE = 0x40049409
+"""``ioctl(dest, FICLONE, src)``: share the source's extents (btrfs, XFS, bcachefs)."""
+
+
+class _Pipeline:
+    """Fill here; hash and check in ``HASH_THREADS`` threads; write in one more."""
+
+    def __init__(
+        self, size: int, spans: Sequence[TensorSpan], digest: str, fd: int | None, direct: bool
+    ) -> None:
+        self.size = size
+        self.algorithm = digest
+        self.fd, self.direct = fd, direct
+        self.floats = [s for s in spans if s.dtype in NON_FINITE and s.stop > s.start]
+        for span in self.floats:
+            if span.start % DTYPE_SIZES[span.dtype]:
+                raise ValueError(f"{span.name}: not aligned to its element size in the file")
+        self.starts = [s.start for s in self.floats]
+        self.block_digests: list[str] = [""] * (-(-size // BLOCK_BYTES))
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
-        self.full: queue.Queue[tuple[int, int] | None] = queue.Queue()
-        self.hashed: queue.Queue[tuple[int, int] | None] = queue.Queue()
+        self.to_hash: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
+        self.to_write: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
         self.sources: dict[Path, int] = {}
         self.error: BaseException | None = None
         self._scratch: memoryview | None = None
-        self.fd, self.direct = _open_output(path)
         for i in range(BUFFERS):
             self.free.put(i)
         self.current = self.free.get()
         self.filled = 0
-        self.threads = [
-            threading.Thread(target=self._hash_loop, name="weightcast-hash"),
-            threading.Thread(target=self._write_loop, name="weightcast-writer"),
+        self.offset = 0  # of the current buffer in the file
+        self.hashers = [
+            threading.Thread(target=self._hash_loop, name=f"weightcast-hash-{i}")
+            for i in range(HASH_THREADS)
         ]
+        self.writer = threading.Thread(target=self._write_loop, name="weightcast-writer")
 
-    def __enter__(self) -> _PipelinedWriter:
-        for thread in self.threads:
+    @property
+    def digests(self) -> BlockDigests:
+        return BlockDigests(self.algorithm, BLOCK_BYTES, self.block_digests)
+
+    def __enter__(self) -> _Pipeline:
+        for thread in [*self.hashers, self.writer]:
             thread.start()
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         try:
-            if exc_type is None:
+            if exc_type is None and self.filled:
                 self._hand_over()
-            self.full.put(None)
-            for thread in self.threads:
+            for _ in self.hashers:
+                self.to_hash.put(None)
+            for thread in self.hashers:
                 thread.join()
+            self.to_write.put(None)
+            self.writer.join()
             if exc_type is None:
                 if self.error is not None:
                     raise self.error
-                os.ftruncate(self.fd, self.size)  # drop the padding of the last direct write
-                os.fsync(self.fd)
+                if self.offset != self.size:
+                    raise ValueError(f"wrote {self.offset} bytes, expected {self.size}")
         finally:
-            os.close(self.fd)
             for fd in self.sources.values():
                 os.close(fd)
             for buffer in self.buffers:
@@ -249,22 +284,24 @@ class _PipelinedWriter:
 
     def _filled(self, n: int) -> None:
         self.filled += n
-        self.size += n
         if self.filled == BUFFER_BYTES:
             self._hand_over()
             self.current = self._next_free()
-            self.filled = 0
 
     def _hand_over(self) -> None:
-        self.full.put((self.current, self.filled))
+        self.to_hash.put((self.current, self.offset, self.filled))
+        self.offset += self.filled
+        self.filled = 0
 
     def _next_free(self) -> int:
         while True:
+            if self.error is not None:
+                raise self.error
             try:
                 return self.free.get(timeout=1)
             except queue.Empty:
-                if self.error is not None or not all(t.is_alive() for t in self.threads):
-                    raise self.error or OSError(errno.EIO, "a writer thread died") from None
+                if not all(t.is_alive() for t in [*self.hashers, self.writer]):
+                    raise OSError(errno.EIO, "a writer thread died") from None
 
     def _source(self, file: Path) -> int:
         if file not in self.sources:
@@ -272,47 +309,92 @@ class _PipelinedWriter:
         return self.sources[file]
 
     def _hash_loop(self) -> None:
-        """Hash buffers in file order (before the writer may pad them), pass them on."""
-        while (item := self.full.get()) is not None:
-            index, n = item
-            view = memoryview(self.buffers[index])
-            self.digest.update(view[:n])
-            view.release()
-            self.hashed.put(item)
-        self.hashed.put(None)
-
-    def _write_loop(self) -> None:
-        while (item := self.hashed.get()) is not None:
-            index, n = item
+        """Digest the blocks of each buffer and check its floats, then pass it on."""
+        scratch = np.empty(_CHECK_BYTES, dtype=np.uint8)
+        while (item := self.to_hash.get()) is not None:
+            index, offset, n = item
             try:
                 if self.error is None:
-                    self._write(memoryview(self.buffers[index]), n)
+                    self._digest(index, offset, n)
+                    self._check(index, offset, n, scratch)
+            except BaseException as exc:  # handed to the filling thread
+                self.error = exc
+            self.to_write.put(item)
+
+    def _digest(self, index: int, offset: int, n: int) -> None:
+        view = memoryview(self.buffers[index])
+        try:
+            for start in range(0, n, BLOCK_BYTES):
+                hasher = new_hasher(self.algorithm)
+                hasher.update(view[start : min(n, start + BLOCK_BYTES)])
+                self.block_digests[(offset + start) // BLOCK_BYTES] = hasher.hexdigest()
+        finally:
+            view.release()
+
+    def _check(self, index: int, offset: int, n: int, scratch: np.ndarray) -> None:
+        """Raise :class:`NonFiniteTensor` if a float tensor's bytes here hold NaN or inf."""
+        stop = offset + n
+        i = max(0, bisect.bisect_right(self.starts, offset) - 1)
+        while i < len(self.floats) and self.floats[i].start < stop:
+            span = self.floats[i]
+            lo, hi = max(span.start, offset), min(span.stop, stop)
+            buffer = self.buffers[index]
+            if lo < hi and _non_finite(buffer, lo - offset, hi - lo, span.dtype, scratch):
+                raise NonFiniteTensor(f"{span.name} holds NaN or infinite values")
+            i += 1
+
+    def _write_loop(self) -> None:
+        while (item := self.to_write.get()) is not None:
+            index, offset, n = item
+            try:
+                if self.error is None and self.fd is not None:
+                    self._write(memoryview(self.buffers[index]), offset, n)
             except BaseException as exc:  # handed to the filling thread
                 self.error = exc
             self.free.put(index)
 
-    def _write(self, view: memoryview, n: int) -> None:
-        if self.direct and n % _ALIGN:
-            view[n : n + (-n % _ALIGN)] = bytes(-n % _ALIGN)  # padding, truncated at the end
-            n += -n % _ALIGN
-        done = 0
+    def _write(self, view: memoryview, offset: int, n: int) -> None:
+        assert self.fd is not None
         try:
+            if self.direct and n % _ALIGN:
+                view[n : n + (-n % _ALIGN)] = bytes(-n % _ALIGN)  # truncated at the end
+                n += -n % _ALIGN
+            done = 0
             while done < n:
-                done += os.write(self.fd, view[done:n])
-        except OSError as exc:
-            if not self.direct or exc.errno != errno.EINVAL:
-                raise
-            self._drop_direct()
-            while done < n:
-                done += os.write(self.fd, view[done:n])
+                try:
+                    done += os.pwrite(self.fd, view[done:n], offset + done)
+                except OSError as exc:
+                    if not self.direct or exc.errno != errno.EINVAL:
+                        raise
+                    self._drop_direct()
         finally:
             view.release()
 
     def _drop_direct(self) -> None:
         """A filesystem that accepted O_DIRECT at open but not for this write: go buffered."""
+        assert self.fd is not None
         flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
         fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
         self.direct = False
+
+
+def _non_finite(
+    buffer: mmap.mmap, start: int, length: int, dtype: str, scratch: np.ndarray
+) -> bool:
+    """Whether the ``dtype`` elements in ``buffer[start:start + length]`` hold NaN or inf."""
+    size = DTYPE_SIZES[dtype]
+    mask, limit = NON_FINITE[dtype]
+    kind = _UNSIGNED[size]
+    values = np.frombuffer(buffer, dtype=kind, count=length // size, offset=start)
+    work = scratch.view(kind)
+    step = len(work)
+    for first in range(0, len(values), step):
+        part = values[first : first + step]
+        out = work[: len(part)]
+        np.bitwise_and(part, kind(mask), out=out)
+        if out.max() >= limit:
+            return True
+    return False
 
 
 def _open_output(path: Path) -> tuple[int, bool]:

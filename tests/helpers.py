@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +25,19 @@ from weightcast.client.weights import WeightsClient
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import ModelShape, rank_slice
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
-from weightcast.contract.snapshots import SnapshotInfo, snapshot_name
+from weightcast.contract.snapshots import (
+    FORMAT_DCP_SAFETENSORS,
+    FORMAT_DCP_TORCH_SAVE,
+    SnapshotFile,
+    SnapshotInfo,
+    snapshot_name,
+)
 from weightcast.local.produce import synthetic_batch
 from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.config import load_config
 from weightcast.runtime.net import free_port
 from weightcast.trainer.resume import TrainState, newest_checkpoint, read_train_state
+from weightcast.trainer.snapshot_storage import SafetensorsStorageWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -104,15 +112,34 @@ def hf_config(shape: ModelShape) -> dict:
     }
 
 
+FORMATS = (FORMAT_DCP_SAFETENSORS, FORMAT_DCP_TORCH_SAVE)
+"""Snapshot formats: what the trainer writes, and what earlier trainers wrote."""
+
+
 def write_snapshot(
-    checkpoint_dir: Path, step: int, shape: ModelShape, state: dict[str, torch.Tensor] | None = None
+    checkpoint_dir: Path,
+    step: int,
+    shape: ModelShape,
+    state: dict[str, torch.Tensor] | None = None,
+    format: str = FORMAT_DCP_SAFETENSORS,
 ) -> Path:
-    """A complete snapshot as the trainer writes it: DCP files, config.json, weightcast.json."""
+    """A complete snapshot as the trainer writes it (``dcp-safetensors/1``: the trainer's own
+    storage writer) or as earlier trainers did (``dcp-torchsave``: DCP's FileSystemWriter)."""
     path = checkpoint_dir / snapshot_name(step)
     state = hf_state(shape, torch.bfloat16) if state is None else state
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(path))
+    files: tuple[SnapshotFile, ...] = ()
+    if format == FORMAT_DCP_SAFETENSORS:
+        path.mkdir(parents=True, exist_ok=True)
+        storage = SafetensorsStorageWriter(path)
+        dcp.save(state, storage_writer=storage, no_dist=True)
+        files = tuple(storage.files)
+    else:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
     (path / "config.json").write_text(json.dumps(hf_config(shape)))
-    SnapshotInfo(uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test").write(path)
+    info = SnapshotInfo(
+        uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
+    )
+    info.write(path)
     return path
 
 
@@ -178,7 +205,7 @@ def split_per_rank(deployment: Deployment, version: int) -> int:
     rank r's file holds, under the fused names, what ``rank_slice`` gives rank r."""
     client, keys = deployment.client, deployment.keys
     fields = client.hgetall(keys.version(version))
-    source = Path(fields[b"path"].decode())
+    source = deployment.root / "weights" / fields[b"path"].decode()
     manifest = Manifest.read(source)
     tensors = load_file(str(source / "model.safetensors"))
     target = source.parent / f"v{version}-per-rank"
@@ -210,7 +237,7 @@ def split_per_rank(deployment: Deployment, version: int) -> int:
     copy = version + 100
     client.hset(
         keys.version(copy),
-        mapping={**fields, b"path": str(target), b"manifest_sha256": sha256_bytes(text)},
+        mapping={**fields, b"path": target.name, b"manifest_sha256": sha256_bytes(text)},
     )
     client.zadd(keys.versions, {copy: copy})
     return copy
@@ -278,26 +305,41 @@ def run_torchrun_trainer(
 
 
 _SHARDED_SAVE = """
-import sys
+import dataclasses, json, sys
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pathlib import Path
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
+from weightcast.trainer.snapshot_storage import SafetensorsStorageWriter
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 state = {k: distribute_tensor(t, mesh, [Shard(0)]) for k, t in load_file(sys.argv[1]).items()}
-dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[2]))
+if sys.argv[3] == "dcp-torchsave":
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[2]))
+else:
+    storage = SafetensorsStorageWriter(Path(sys.argv[2]))
+    dcp.save(state, storage_writer=storage)
+    if dist.get_rank() == 0:
+        files = [dataclasses.asdict(f) for f in storage.files]
+        (Path(sys.argv[2]) / "files.json").write_text(json.dumps(files))
 dist.barrier()
 dist.destroy_process_group()
 """
 
 
 def write_sharded_snapshot(
-    checkpoint_dir: Path, step: int, shape: ModelShape, state: dict[str, torch.Tensor], ranks: int
+    checkpoint_dir: Path,
+    step: int,
+    shape: ModelShape,
+    state: dict[str, torch.Tensor],
+    ranks: int,
+    format: str = FORMAT_DCP_SAFETENSORS,
 ) -> Path:
-    """A snapshot written by ``ranks`` gloo processes, every tensor sharded along dim 0 (FSDP)."""
+    """A snapshot written by ``ranks`` gloo processes, every tensor sharded along dim 0 (FSDP),
+    in either format."""
     path = checkpoint_dir / snapshot_name(step)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     source = checkpoint_dir / f"state-{step}.safetensors"
@@ -306,7 +348,14 @@ def write_sharded_snapshot(
         shutil.rmtree(path, ignore_errors=True)
         result = subprocess.run(
             torchrun(
-                ranks, "--no-python", sys.executable, "-c", _SHARDED_SAVE, str(source), str(path)
+                ranks,
+                "--no-python",
+                sys.executable,
+                "-c",
+                _SHARDED_SAVE,
+                str(source),
+                str(path),
+                format,
             ),
             cwd=REPO,
             capture_output=True,
@@ -317,23 +366,53 @@ def write_sharded_snapshot(
             break
     assert result.returncode == 0, result.stderr[-3000:]
     source.unlink()
+    files: tuple[SnapshotFile, ...] = ()
+    if format == FORMAT_DCP_SAFETENSORS:
+        listing = path / "files.json"
+        files = tuple(SnapshotFile(**f) for f in json.loads(listing.read_text()))
+        listing.unlink()
     (path / "config.json").write_text(json.dumps(hf_config(shape)))
-    SnapshotInfo(uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test").write(path)
+    info = SnapshotInfo(
+        uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
+    )
+    info.write(path)
     return path
 
 
 def publish_snapshot(
-    checkpoint_dir: Path, step: int, shape: ModelShape, state: dict[str, torch.Tensor] | None = None
+    checkpoint_dir: Path,
+    step: int,
+    shape: ModelShape,
+    state: dict[str, torch.Tensor] | None = None,
+    format: str = FORMAT_DCP_SAFETENSORS,
 ) -> Path:
     """Write a snapshot aside and rename it into ``checkpoint_dir``, as the trainer does, so a
     running publisher never sees it half-written."""
     staging = checkpoint_dir.parent / f"staging-{uuid.uuid4().hex[:8]}"
-    written = write_snapshot(staging, step, shape, state)
+    written = write_snapshot(staging, step, shape, state, format)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir / written.name
     os.rename(written, final)
     staging.rmdir()
     return final
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``16k``, ``2m``) mounted at ``path`` for a test: a small
+    filesystem that fills up. Needs root (or CAP_SYS_ADMIN)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        raise AssertionError(f"this test mounts a tmpfs (run it as root): {mounted.stderr}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
 
 
 def rank_part(tensor: torch.Tensor, shard: Mapping[str, Any], rank: int, tp: int) -> torch.Tensor:

@@ -2,12 +2,21 @@
 
 Writing must not stall training: :meth:`SnapshotWriter.start` only copies the weights off
 the device into host buffers it reuses (pinned on a GPU), then a background thread writes
-them with DCP over a gloo group of its own. At most one write is in flight; the training
-loop asks :meth:`busy` (agreed across ranks) and skips a publish rather than queue it.
+them with DCP over a gloo group of its own, in the ``dcp-safetensors/1`` format
+(:mod:`weightcast.contract.snapshots`, :mod:`weightcast.trainer.snapshot_storage`). At most
+one write is in flight; the training loop asks :meth:`busy` (agreed across ranks) and skips a
+publish rather than queue it.
+
+A write never leaves a partial ``step-<S>/``: everything goes to ``.tmp-step-<S>/`` first.
+When the checkpoint filesystem is full, the snapshot is skipped, counted
+(:attr:`SnapshotWriter.skipped_no_space`) and logged, and training goes on. A weight that
+holds NaN or infinity is never written: the write fails and :meth:`busy` raises, naming it.
 """
 
 from __future__ import annotations
 
+import errno
+import shutil
 import threading
 import time
 import uuid
@@ -19,21 +28,35 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._state_dict_utils import _create_cpu_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from weightcast.contract.durable import fsync_path, publish_dir, remove_dir, sweep, write_json
-from weightcast.contract.snapshots import CONFIG_NAME, TMP_PREFIX, SnapshotInfo, snapshot_name
+from weightcast.contract.snapshots import (
+    CONFIG_NAME,
+    FORMAT_DCP_SAFETENSORS,
+    TMP_PREFIX,
+    SnapshotFile,
+    SnapshotInfo,
+    snapshot_name,
+)
 from weightcast.runtime.logs import get_logger
+from weightcast.trainer.snapshot_storage import NonFiniteWeight, SafetensorsStorageWriter
 
 log = get_logger(__name__)
+
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# How a write ended, agreed across ranks (the most severe wins).
+_WRITTEN, _NO_SPACE, _FAILED, _NON_FINITE = 0, 1, 2, 3
 
 
 class SnapshotWriter:
     """Writes ``<checkpoint_dir>/step-<S>/`` from the live model, in the background.
 
     Every rank stages and writes its own shards (DCP save is collective); rank 0 adds
-    ``config.json`` and ``weightcast.json`` once DCP's ``.metadata`` is written, which DCP
-    does only after every rank's data, and renames ``.tmp-step-<S>/`` to ``step-<S>/``.
+    ``config.json`` and ``weightcast.json`` (listing every rank's file) once ``dcp.save``
+    returned, which it does only after every rank's data, and renames ``.tmp-step-<S>/`` to
+    ``step-<S>/``. Counters: :attr:`written`, :attr:`skipped_no_space`.
     """
 
     def __init__(
@@ -56,6 +79,7 @@ class SnapshotWriter:
         self.last_path = ""
         self.last_step = -1
         self.written = 0
+        self.skipped_no_space = 0
         self.stage_seconds = 0.0
         self.write_seconds = 0.0
         self._buffers: dict[str, Any] | None = None
@@ -84,7 +108,7 @@ class SnapshotWriter:
         """True while this rank's previous write runs; raises if that write failed."""
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError("the background snapshot write failed") from error
+            raise RuntimeError(f"the background snapshot write failed: {error}") from error
         return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
@@ -121,10 +145,24 @@ class SnapshotWriter:
             begin = time.perf_counter()
             final = self.checkpoint_dir / snapshot_name(step)
             tmp = self.checkpoint_dir / f"{TMP_PREFIX}{final.name}"
-            tmp.mkdir(parents=True, exist_ok=True)
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.group)
-            if self.leader:
-                self._finish(tmp, final, step)
+            failure = self._save(state, tmp, final, step)
+            outcome = self._agree(_classify(failure))
+            if outcome != _WRITTEN and self.leader:
+                remove_dir(tmp)  # a step-<S>/ is whole or absent
+            if outcome == _NO_SPACE:
+                self.skipped_no_space += 1
+                log.warning(
+                    "snapshot skipped: no space left in the checkpoint directory",
+                    step=step,
+                    path=str(self.checkpoint_dir),
+                    free_bytes=_free_bytes(self.checkpoint_dir),
+                    skipped_no_space=self.skipped_no_space,
+                )
+                return
+            if outcome == _NON_FINITE:
+                raise _non_finite(failure, step)
+            if outcome == _FAILED:
+                raise failure or RuntimeError(f"step {step}: the snapshot failed on another rank")
             self.write_seconds = time.perf_counter() - begin
             self.written += 1
             self.last_path, self.last_step = str(final), step
@@ -132,7 +170,30 @@ class SnapshotWriter:
         except BaseException as exc:  # surfaced to the training loop by busy()/wait()
             self._error = exc
 
-    def _finish(self, tmp: Path, final: Path, step: int) -> None:
+    def _save(
+        self, state: dict[str, Any], tmp: Path, final: Path, step: int
+    ) -> BaseException | None:
+        """Write the snapshot; the failure (this rank's view of it), None when written."""
+        try:
+            tmp.mkdir(parents=True, exist_ok=True)
+            storage = SafetensorsStorageWriter(tmp)
+            dcp.save(state, storage_writer=storage, process_group=self.group)
+            if self.leader:
+                self._finish(tmp, final, step, storage.files)
+        except (CheckpointException, OSError) as exc:
+            return exc
+        return None
+
+    def _agree(self, outcome: int) -> int:
+        """The most severe outcome over all ranks (they must all take the same path)."""
+        if self.group is None:
+            return outcome
+        flag = torch.tensor([outcome])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return int(flag.item())
+
+    def _finish(self, tmp: Path, final: Path, step: int, files: list[SnapshotFile]) -> None:
+        """Rank 0, after every rank's data: the config, the completion record, the rename."""
         write_json(tmp / CONFIG_NAME, self.hf_config)
         SnapshotInfo(
             snapshot_id=uuid.uuid4().hex,
@@ -141,12 +202,45 @@ class SnapshotWriter:
             created_at=time.time(),
             dtype=str(self.dtype).removeprefix("torch."),
             model=self.model_name,
+            format=FORMAT_DCP_SAFETENSORS,
+            files=tuple(files),
         ).write(tmp)
         fsync_path(tmp)
         if final.exists():
             log.warning("replacing an existing snapshot", path=str(final))
             remove_dir(final)
         publish_dir(tmp, final)
+
+
+def _causes(failure: BaseException | None) -> list[BaseException]:
+    """The exceptions behind a failed write (every rank's, for a failed ``dcp.save``)."""
+    if isinstance(failure, CheckpointException):
+        return [exc for exc, _ in failure.failures.values()]
+    return [] if failure is None else [failure]
+
+
+def _classify(failure: BaseException | None) -> int:
+    causes = _causes(failure)
+    if any(isinstance(c, NonFiniteWeight) for c in causes):
+        return _NON_FINITE
+    if any(isinstance(c, OSError) and c.errno in NO_SPACE for c in causes):
+        return _NO_SPACE
+    return _FAILED if causes else _WRITTEN
+
+
+def _non_finite(failure: BaseException | None, step: int) -> NonFiniteWeight:
+    found = [str(c) for c in _causes(failure) if isinstance(c, NonFiniteWeight)]
+    what = found[0] if found else "another rank holds a non-finite weight"
+    return NonFiniteWeight(
+        f"step {step}: {what}; the snapshot was not written (no step-{step}/ exists)"
+    )
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return -1
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ GAUGES = {
     "last_policy_lag": "latest version minus the policy_version of the last trained batch",
     "publish_skipped": "snapshots skipped because the previous write was still running",
     "snapshots_written": "snapshots written (this process)",
+    "snapshots_skipped_no_space": "snapshots skipped because the checkpoint filesystem was full",
     "snapshot_stage_seconds": "time the loop spent copying weights off the device",
     "snapshot_write_seconds": "background time of the last snapshot write",
     "checkpoint_step": "step of the newest durable resume checkpoint (its entries acked)",

@@ -440,6 +440,7 @@ class Trainer(ForgeEngine):
             already_applied=self.batches.already_applied,
             publish_skipped=self.publish_skipped,
             snapshots_written=snapshots.written,
+            snapshots_skipped_no_space=snapshots.skipped_no_space,
             last_snapshot=snapshots.last_path,
             snapshot_stage_seconds=snapshots.stage_seconds,
             snapshot_write_seconds=snapshots.write_seconds,

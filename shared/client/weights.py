@@ -72,11 +72,13 @@ class VersionInfo:
     created_at: float
 
     @classmethod
-    def from_fields(cls, version: int, raw: dict[bytes, bytes]) -> VersionInfo:
+    def from_fields(cls, version: int, raw: dict[bytes, bytes], root: Path) -> VersionInfo:
+        """``path`` is registered relative to the weights directory (older publishers wrote
+        absolute paths); it is resolved against ``root``, this node's weights directory."""
         fields = {k.decode(): v.decode() for k, v in raw.items()}
         return cls(
             version=version,
-            path=Path(fields["path"]),
+            path=root / fields["path"],
             step=int(fields["step"]),
             layout=fields["layout"],
             tp=int(fields["tp"]),
@@ -121,7 +123,7 @@ class WeightsClient:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.version(version))
         pipe.zscore(self.keys.versions, version)
-        return _live_info(version, *pipe.execute())
+        return _live_info(version, *pipe.execute(), self.weights_root)
 
     def wait_for_newer(self, version: int, timeout: float, poll: float = 2.0) -> int | None:
         """Wait until ``latest`` exceeds ``version``; None on timeout.
@@ -297,7 +299,8 @@ class WeightsClient:
 
     def _take_lease(self, version: int) -> VersionInfo:
         keys = self._lease_keys(version)
-        return _leased_info(version, self._lease(keys=keys, args=self._lease_args(version)))
+        reply = self._lease(keys=keys, args=self._lease_args(version))
+        return _leased_info(version, reply, self.weights_root)
 
     def _lease_keys(self, version: int) -> list[str]:
         return [self.keys.versions, self.keys.leases(version), self.keys.version(version)]
@@ -346,7 +349,7 @@ class AsyncWeightsClient:
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.version(version))
         pipe.zscore(self.keys.versions, version)
-        return _live_info(version, *await pipe.execute())
+        return _live_info(version, *await pipe.execute(), self.files.weights_root)
 
     async def wait_for_newer(self, version: int, timeout: float, poll: float = 2.0) -> int | None:
         """Wait until ``latest`` exceeds ``version``; None on timeout (see
@@ -422,7 +425,7 @@ class AsyncWeightsClient:
         reply = await self._lease(
             keys=self.files._lease_keys(version), args=self.files._lease_args(version)
         )
-        return _leased_info(version, reply)
+        return _leased_info(version, reply, self.files.weights_root)
 
     async def _renew(self, version: int) -> None:
         while True:
@@ -441,18 +444,21 @@ def _node_record(version: int) -> str:
     return json.dumps({"version": version, "at": time.time()})
 
 
-def _live_info(version: int, raw: dict[bytes, bytes], score: float | None) -> VersionInfo:
+def _live_info(
+    version: int, raw: dict[bytes, bytes], score: float | None, root: Path
+) -> VersionInfo:
     """A version's registry hash, if the version is still in the live set."""
     if not raw or score is None:
         raise VersionGone(f"version {version} is not live")
-    return VersionInfo.from_fields(version, raw)
+    return VersionInfo.from_fields(version, raw, root)
 
 
-def _leased_info(version: int, reply: list[bytes] | None) -> VersionInfo:
+def _leased_info(version: int, reply: list[bytes] | None, root: Path) -> VersionInfo:
     """The lease script's reply: the version's hash as a flat list, or nothing if evicted."""
     if not reply:
         raise VersionGone(f"version {version} is no longer live")
-    return VersionInfo.from_fields(version, dict(zip(reply[::2], reply[1::2], strict=True)))
+    fields = dict(zip(reply[::2], reply[1::2], strict=True))
+    return VersionInfo.from_fields(version, fields, root)
 
 
 def _check_shape(entry: TensorEntry, tensor: Any) -> None:

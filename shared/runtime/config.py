@@ -31,6 +31,8 @@ from typing import Any
 
 from weightcast.contract.errors import ConfigError
 from weightcast.contract.keys import NAMESPACE_PATTERN
+from weightcast.contract.layout import LAYOUTS
+from weightcast.contract.manifest import DEFAULT_DIGEST, DIGESTS
 
 ENV_PREFIX = "WEIGHTCAST_"
 
@@ -40,7 +42,6 @@ MODELS = ("tiny", "small", "debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B
 """The dense Qwen3 flavors the trainer builds: weightcast's ``tiny`` and ``small`` and
 torchtitan 0.2.0's own (a test checks this list against the trainer's registry)."""
 
-LAYOUTS = ("vllm-fused", "hf", "both")
 READERS = ("auto", "dcp-load")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -283,10 +284,17 @@ class PublisherConfig:
     )
     reader: str = setting(
         "auto",
-        "auto: copy byte ranges out of the snapshot's files when possible; dcp-load: always "
-        "load the snapshot with dcp.load",
+        "auto: copy byte ranges out of the snapshot's files (dcp-safetensors snapshots); "
+        "dcp-load: load every snapshot with dcp.load (always the case for dcp-torchsave ones)",
         flag="--reader",
         choices=READERS,
+    )
+    digest: str = setting(
+        DEFAULT_DIGEST,
+        "per-block digest of published files: xxh3-128 catches corruption; blake3 (a "
+        "cryptographic hash, pip install blake3) also resists tampering with the files",
+        flag="--digest",
+        choices=DIGESTS,
     )
     leader_ttl_seconds: float = setting(
         10.0,

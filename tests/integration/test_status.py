@@ -36,7 +36,7 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
     for _ in range(3):
         deployment.publish()  # keep-last-two: v1 is evicted
     broken = write_snapshot(tmp_path / "checkpoints", 9, SMALL_GQA)
-    (broken / ".metadata").write_bytes(b"not a checkpoint")
+    (broken / "config.json").unlink()
     deployment.publisher.scan_once()  # quarantined, with its reason in Redis
     client.set(keys.publisher_leader, "publisher-host-1", px=10_000)
     reader = deployment.reader("node-fresh")
@@ -71,7 +71,7 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
     assert nodes["node-evicted"]["stale"] == "v1 was evicted"
     assert view["publisher"]["leader"] == "publisher-host-1"
     (quarantined,) = view["publisher"]["quarantined"]
-    assert quarantined["step"] == 9 and ".metadata" in quarantined["reason"]
+    assert quarantined["step"] == 9 and "config.json missing" in quarantined["reason"]
     assert "publisher: leader publisher-host-1" in table
     assert f"quarantined {quarantined['snapshot']} (" in table
     assert view["trainer"]["step"] == "7" and view["trainer"]["custom_field"] == "42"

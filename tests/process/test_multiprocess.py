@@ -29,7 +29,10 @@ def test_two_ranks_train_their_own_batches_and_write_one_snapshot(
 
     # One snapshot, written by both ranks, with one run id.
     snapshot = tmp_path / "checkpoints" / "step-2"
-    assert sorted(p.name for p in snapshot.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in snapshot.glob("*.safetensors")) == [  # one file per rank
+        "shard-00001-model-00001-of-00001.safetensors",
+        "shard-00002-model-00001-of-00001.safetensors",
+    ]
     run_id = SnapshotInfo.read(snapshot).run_id
     assert client.hget(keys.trainer_heartbeat, "run_id").decode() == run_id
 

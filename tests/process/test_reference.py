@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from weightcast.contract.layout import ModelShape, unfuse
 from weightcast.contract.manifest import Manifest
 from weightcast.contract.snapshots import SnapshotInfo
-from weightcast.publisher.snapshot_reader import Snapshot, load_tensors
+from weightcast.publisher.dcp_load import load_tensors
+from weightcast.publisher.snapshots import Snapshot
 from weightcast.trainer.model import TiedQwen3Model, flavor_args
 
 from helpers import run_weightcast

@@ -96,7 +96,10 @@ def test_fsdp_snapshot_publishes_the_same_bytes_as_a_single_process_one(
     ranks = run_torchrun_trainer(fsdp_env, 2, "--steps", "1")
     assert ranks.returncode == 0, ranks.stderr[-3000:]
     snapshot = tmp_path / "fsdp" / "checkpoints" / "step-1"
-    assert sorted(p.name for p in snapshot.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in snapshot.glob("*.safetensors")) == [  # one file per rank
+        "shard-00001-model-00001-of-00001.safetensors",
+        "shard-00002-model-00001-of-00001.safetensors",
+    ]
 
     published = {}
     for env, root in ((cli_env, tmp_path), (fsdp_env, tmp_path / "fsdp")):

@@ -22,8 +22,8 @@ from weightcast.contract.layout import (
 )
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshots import SnapshotInfo
-from weightcast.publisher.converter import convert
-from weightcast.publisher.snapshot_reader import Snapshot
+from weightcast.publisher.converter import ConvertOptions, convert
+from weightcast.publisher.snapshots import Snapshot
 
 from helpers import hf_config, hf_state, rank_part, shape_of, write_snapshot
 from vllm_reference import (
@@ -224,7 +224,7 @@ def test_publisher_conversion_of_a_real_dcp_snapshot(tmp_path: Path, tp: int) ->
     snapshot_dir = write_snapshot(tmp_path, 5, shape, state)
     snapshot = Snapshot(snapshot_dir, SnapshotInfo.read(snapshot_dir))
 
-    published = convert(snapshot, tmp_path / "weights", 7, tp)
+    published = convert(snapshot, tmp_path / "weights", 7, ConvertOptions(tp=tp))
 
     assert published.path == tmp_path / "weights" / "v7"
     manifest = Manifest.read(published.path)

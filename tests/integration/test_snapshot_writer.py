@@ -1,0 +1,137 @@
+"""The trainer's SnapshotWriter on real files: the dcp-safetensors format the publisher reads,
+a weight holding NaN refused with nothing written, a full filesystem skipped and counted."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, read_complete
+from weightcast.publisher.converter import ConvertOptions, convert
+from weightcast.publisher.snapshots import Snapshot, complete_snapshots
+from weightcast.trainer.snapshot import SnapshotWriter
+
+from helpers import hf_config, hf_state, shape_of, tmpfs
+
+SHAPE = shape_of(4, 2, 16, hidden=32, inter=64, tied=False, bias=True)
+
+
+class Weights(nn.Module):
+    """A model whose state dict is an HF state dict under other names (as torchtitan's)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.names = {}
+        for i, (name, tensor) in enumerate(state.items()):
+            self.register_buffer(f"t{i}", tensor.clone())
+            self.names[f"t{i}"] = name
+
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.names[key]: value for key, value in state.items()}
+
+
+def writer_for(directory: Path, model: Weights) -> SnapshotWriter:
+    return SnapshotWriter(directory, model.to_hf, hf_config(SHAPE), "test", "run-1")
+
+
+def entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_a_snapshot_is_dcp_safetensors_that_the_publisher_reads(tmp_path: Path) -> None:
+    state = hf_state(SHAPE, torch.bfloat16)
+    model = Weights(state)
+    writer = writer_for(tmp_path / "checkpoints", model)
+    writer.start(model, 3)
+    writer.wait()
+
+    snapshot = tmp_path / "checkpoints" / "step-3"
+    info = read_complete(snapshot)
+    assert info.format == FORMAT_DCP_SAFETENSORS and info.step == 3
+    assert [f.name for f in info.files] == ["shard-00001-model-00001-of-00001.safetensors"]
+    assert entries(snapshot) == [
+        "config.json",
+        "shard-00001-model-00001-of-00001.safetensors",
+        "weightcast.json",
+    ]
+    loaded = load_file(str(snapshot / info.files[0].name))  # a plain safetensors file
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    published = convert(Snapshot(snapshot, info), tmp_path / "weights", 1, ConvertOptions(tp=2))
+    assert published.reader == "byte-range"
+    verify_files(published.path, Manifest.read(published.path))
+    assert writer.written == 1 and writer.skipped_no_space == 0
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_weight_is_refused_and_nothing_is_written(
+    tmp_path: Path, value: float
+) -> None:
+    state = hf_state(SHAPE, torch.bfloat16)
+    model = Weights(state)
+    checkpoints = tmp_path / "checkpoints"
+    writer = writer_for(checkpoints, model)
+    writer.start(model, 1)
+    writer.wait()
+
+    poisoned = next(k for k, v in model.to_hf(dict(model.named_buffers())).items() if "v_proj" in k)
+    buffer = next(b for k, b in model.named_buffers() if model.names[k] == poisoned)
+    buffer.view(-1)[5] = value
+    writer.start(model, 2)
+    with pytest.raises(RuntimeError, match=f"{poisoned} holds NaN or infinite values") as raised:
+        writer.wait()
+    assert "the snapshot was not written" in str(raised.value)
+    assert entries(checkpoints) == ["step-1"]  # no step-2, no .tmp-step-2
+    assert writer.written == 1 and writer.last_step == 1
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A 16 KiB tmpfs: smaller than one snapshot of SHAPE (about 64 KB in bf16)."""
+    with tmpfs(tmp_path / "small", "16k") as mount:
+        yield mount
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_full_filesystem_skips_the_snapshot_counts_it_and_training_goes_on(
+    tiny_filesystem: Path,
+) -> None:
+    state = hf_state(SHAPE, torch.bfloat16)
+    model = Weights(state)
+    writer = writer_for(tiny_filesystem, model)
+    records = Records()
+    logging.getLogger("weightcast").addHandler(records)
+    try:
+        for step in (1, 2):
+            writer.start(model, step)
+            writer.wait()  # does not raise: the loop goes on
+            assert not writer.busy()
+    finally:
+        logging.getLogger("weightcast").removeHandler(records)
+    assert writer.skipped_no_space == 2 and writer.written == 0
+    assert entries(tiny_filesystem) == []  # no step-N, no .tmp-step-N
+    skipped = "snapshot skipped: no space left in the checkpoint directory"
+    assert sum(m.startswith(skipped) for m in records.messages) == 2
+    assert complete_snapshots(tiny_filesystem) == ([], [])
+
+    subprocess.run(["mount", "-o", "remount,size=4m", str(tiny_filesystem)], check=True)
+    writer.start(model, 3)
+    writer.wait()
+    assert writer.written == 1 and entries(tiny_filesystem) == ["step-3"]
+    read_complete(tiny_filesystem / "step-3")

@@ -1,0 +1,29 @@
+"""The real trainer with its snapshot directory on a full filesystem: every snapshot is
+skipped and counted in the heartbeat, training goes on and ends normally, nothing partial."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis
+
+from weightcast.contract.keys import Keys
+
+from helpers import final_train_state, push_batches, run_weightcast, tmpfs
+
+
+def test_a_full_snapshot_filesystem_skips_snapshots_and_training_goes_on(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    # 16 KiB: no snapshot fits. The resume checkpoints live beside it, on the real disk.
+    with tmpfs(tmp_path / "checkpoints", "16k") as checkpoints:
+        push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 3)
+        result = run_weightcast(cli_env, "trainer", "--steps", "3", "--publish-every", "1")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stderr.count("snapshot skipped: no space left") == 3  # steps 1, 2, 3
+        beat = client.hgetall(keys.trainer_heartbeat)
+        heartbeat = {k.decode(): v.decode() for k, v in beat.items()}
+        assert heartbeat["snapshots_skipped_no_space"] == "3"
+        assert heartbeat["snapshots_written"] == "0"
+        assert list(checkpoints.iterdir()) == []  # no step-N, no .tmp-step-N
+        assert final_train_state(tmp_path / "checkpoints-resume").step == 3
