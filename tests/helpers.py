@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 import torch
 import torch.distributed.checkpoint as dcp
@@ -149,6 +150,21 @@ def with_test_modules(env: dict[str, str]) -> dict[str, str]:
     """``env`` with ``tests/`` first on PYTHONPATH: a trainer can load ``poison_loss:loss``."""
     paths = [str(REPO / "tests"), *filter(None, [env.get("PYTHONPATH")])]
     return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def mount_tmpfs(path: Path, size: str) -> None:
+    """Mount a tmpfs of ``size`` (``"1m"``) on the directory ``path``: a small disk to fill.
+    Needs root or CAP_SYS_ADMIN; the test unmounts it (``umount path``) when done."""
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.fail(
+            "this test needs to mount a small tmpfs (run it as root or with CAP_SYS_ADMIN): "
+            + mounted.stderr
+        )
 
 
 def config_file(tmp_path: Path, text: str, name: str = "trainer.toml") -> str:

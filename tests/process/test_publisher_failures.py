@@ -14,7 +14,6 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import redis
 import torch
 
@@ -25,7 +24,15 @@ from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
 
-from helpers import REPO, healthz, hf_state, publish_snapshot, shape_of, weightcast
+from helpers import (
+    REPO,
+    healthz,
+    hf_state,
+    mount_tmpfs,
+    publish_snapshot,
+    shape_of,
+    weightcast,
+)
 
 SMALL = shape_of(4, 2, 8, hidden=16, inter=32)
 # About 95 MB in bf16: converting and fsyncing it takes long enough for kills to land in it.
@@ -259,16 +266,7 @@ def test_a_full_disk_registers_nothing_and_retries_until_space_is_freed(
 ) -> None:
     weights = tmp_path / "weights"
     weights.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(weights)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.fail(
-            "this test needs to mount a small tmpfs (run it as root or with CAP_SYS_ADMIN): "
-            + mounted.stderr
-        )
+    mount_tmpfs(weights, "2m")
     shape = ModelShape(2, 256, 1024, 4, 2, 64, 1024, True)  # about 4.4 MB: does not fit
     env = env_for(redis_server.url, keys, tmp_path, rescan_seconds=0.3, retry_max_seconds=2)
     daemon = Daemon(env, tmp_path / "publisher.log")

@@ -10,7 +10,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import redis
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
@@ -23,6 +22,7 @@ from helpers import (
     final_train_state,
     healthz,
     heartbeat,
+    mount_tmpfs,
     pending,
     push_batches,
     start_weightcast,
@@ -145,16 +145,7 @@ def test_a_full_resume_directory_acknowledges_nothing_and_is_retried_until_freed
     retrying; once the tmpfs is grown the checkpoint is written and everything acked."""
     resume = tmp_path / "resume"
     resume.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(resume)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.fail(
-            "this test needs to mount a small tmpfs (run it as root or with CAP_SYS_ADMIN): "
-            + mounted.stderr
-        )
+    mount_tmpfs(resume, "1m")
     produced = list(push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 8))
     port = free_port()
     log = tmp_path / "trainer.log"
