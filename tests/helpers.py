@@ -1,4 +1,5 @@
-"""Test helpers: synthetic HF state dicts and snapshots, and the weightcast CLI as a process."""
+"""Test helpers: synthetic HF state dicts and snapshots, the weightcast CLI as a process, and
+what the trainer tests read back (train state, heartbeat, dead letters)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -18,11 +21,12 @@ from typing import Any
 import redis
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from weightcast.client.producer import BatchProducer
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.keys import Keys
+from weightcast.contract.codec import BATCH_FIELD, META_FIELD
+from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.layout import ModelShape, rank_slice
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 from weightcast.contract.snapshots import (
@@ -35,7 +39,6 @@ from weightcast.contract.snapshots import (
 from weightcast.local.produce import synthetic_batch
 from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.config import load_config
-from weightcast.runtime.net import free_port
 from weightcast.trainer.resume import TrainState, newest_checkpoint, read_train_state
 from weightcast.trainer.snapshot_storage import SafetensorsStorageWriter
 
@@ -161,6 +164,26 @@ def run_weightcast(
     )
 
 
+def start_weightcast(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
+    """Start ``weightcast <args>`` in the background, appending its output to ``log``."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            weightcast(*args), env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
+        )
+
+
+def with_test_modules(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``tests/`` first on PYTHONPATH: a trainer can load ``poison_loss:loss``."""
+    paths = [str(REPO / "tests"), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def config_file(tmp_path: Path, text: str, name: str = "trainer.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
 SMALL_GQA = shape_of(4, 2, 8, hidden=16, inter=32)
 """4 heads over 2 kv heads: tp 1, 2 and 4 are valid, and tp 4 replicates kv heads."""
 
@@ -262,6 +285,40 @@ def push_batches(
     return pushed
 
 
+def push_raw(client: redis.Redis, keys: Keys, tensors: dict[str, torch.Tensor], **meta: Any) -> str:
+    """Add an entry as a careless producer would, without validating it first."""
+    fields = {
+        BATCH_FIELD: save(tensors),
+        META_FIELD: json.dumps({"policy_version": 0, "producer": "careless", **meta}),
+    }
+    return client.xadd(keys.batches, fields).decode()
+
+
+def heartbeat(client: redis.Redis, keys: Keys) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()}
+
+
+def pending(client: redis.Redis, keys: Keys) -> int:
+    return client.xpending(keys.batches, TRAINER_GROUP)["pending"]
+
+
+def dead_letters(client: redis.Redis, keys: Keys) -> dict[str, str]:
+    """Dead-lettered entries: original stream id -> reason, oldest first."""
+    return {
+        fields[b"orig_id"].decode(): fields[b"reason"].decode()
+        for _, fields in client.xrange(keys.dead_letters)
+    }
+
+
+def healthz(port: int) -> int:
+    """The status code of a daemon's ``/healthz`` on this machine."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def final_train_state(resume_dir: Path) -> TrainState:
     """The train state of the newest complete resume checkpoint."""
     found = newest_checkpoint(resume_dir)
@@ -291,15 +348,21 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, every: 
 
 
 def torchrun(nproc: int, *args: str) -> list[str]:
-    """argv of ``torchrun --nproc_per_node <nproc> <args>`` on a free master port."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    return [*command, "--master_port", str(free_port()), *args]
+    """argv of ``torchrun --standalone --nproc_per_node <nproc> <args>``.
+
+    ``--standalone`` lets the rendezvous store bind port 0 and tell the workers the port the
+    kernel gave it. A port picked beforehand with :func:`free_port` can be taken by another
+    process before torchrun binds it (EADDRINUSE at start-up, seen with test suites running
+    side by side).
+    """
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*command, "--nproc_per_node", str(nproc), *args]
 
 
 def run_torchrun_trainer(
     env: dict[str, str], nproc: int, *args: str
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --nproc_per_node <nproc> -m weightcast.trainer <args>`` on a free master port."""
+    """``torchrun --standalone --nproc_per_node <nproc> -m weightcast.trainer <args>``."""
     command = torchrun(nproc, "-m", "weightcast.trainer", *args)
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
@@ -344,26 +407,22 @@ def write_sharded_snapshot(
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     source = checkpoint_dir / f"state-{step}.safetensors"
     save_file(state, str(source))
-    for _attempt in range(3):  # gloo start-up sometimes aborts on a loaded 2-core machine
-        shutil.rmtree(path, ignore_errors=True)
-        result = subprocess.run(
-            torchrun(
-                ranks,
-                "--no-python",
-                sys.executable,
-                "-c",
-                _SHARDED_SAVE,
-                str(source),
-                str(path),
-                format,
-            ),
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if result.returncode == 0:
-            break
+    result = subprocess.run(
+        torchrun(
+            ranks,
+            "--no-python",
+            sys.executable,
+            "-c",
+            _SHARDED_SAVE,
+            str(source),
+            str(path),
+            format,
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     source.unlink()
     files: tuple[SnapshotFile, ...] = ()

@@ -4,6 +4,11 @@ Position ``t`` of every per-token tensor is about token ``t``, predicted from to
 it, so the logits at ``t - 1`` score token ``t`` and position 0 is never trained. Means are
 taken over the trained tokens of the whole micro-batch (each response token weighs the same,
 whatever the length of its sequence), never over padding.
+
+The built-in losses are finite for every batch the contract admits (log-probabilities
+``<= 0``, advantages within ``+-MAX_ABS_ADVANTAGE``, everything finite): the log-ratio is
+clamped before it is exponentiated, negative advantages are dual-clipped, and the KL
+estimate is clamped. docs/trainer.md derives the bounds.
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ import torch.nn.functional as F
 
 from weightcast.contract.codec import RolloutBatch
 
+LOG_RATIO_LIMIT = 20.0
+"""``|log pi - log pi_old|`` is clamped to this before ``exp``: the ratio stays within
+``[e^-20, e^20]`` (about 2e-9 to 5e8), finite in float32 and bfloat16. Beyond
+``log(1 + clip_eps)`` and ``log(dual_clip)`` the objective is clipped anyway, so the clamp
+takes away no gradient the clipped objective has."""
+
+KL_LIMIT = 10.0
+"""The per-token k3 KL estimate is clamped to ``[0, KL_LIMIT]`` (as verl's ``low_var_kl``)."""
+
 
 @dataclass(frozen=True)
 class LossSettings:
@@ -24,6 +38,9 @@ class LossSettings:
     """PPO-style clipping of the importance ratio to ``[1 - eps, 1 + eps]``."""
     kl_coef: float = 0.0
     """Weight of the k3 KL estimate against ``ref_logprobs`` (when the batch has them)."""
+    dual_clip: float = 3.0
+    """Dual-clip PPO (Ye et al. 2020): with a negative advantage the per-token objective is
+    never below ``dual_clip * advantage``, however large the ratio grows."""
 
 
 @dataclass
@@ -55,7 +72,8 @@ def trained_mask(batch: RolloutBatch) -> torch.Tensor:
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
+    """Mean of ``values`` where ``mask`` is 1; what lies elsewhere (even inf) never counts."""
+    return torch.where(mask.bool(), values, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def trained_tokens(batch: RolloutBatch) -> int:
@@ -83,25 +101,38 @@ def policy_entropy(
 def grpo_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:
     """Clipped policy-gradient loss with optional k3 KL to a reference policy.
 
-    With ``old_logprobs`` the ratio ``pi / pi_old`` is clipped as in PPO; without them the
-    batch is taken as on-policy (ratio 1, the plain policy gradient).
+    With ``old_logprobs`` the ratio ``pi / pi_old`` is clipped as in PPO, and dual-clipped for
+    negative advantages; without them the batch is taken as on-policy (ratio 1, the plain
+    policy gradient). Per token the objective is bounded by ``max(1 + clip_eps, dual_clip)
+    * |advantage|``, whatever the log-probabilities.
     """
     logp = token_logprobs(logits, batch.input_ids)
     mask = trained_mask(batch)
     advantages = batch.advantages
     behaviour = batch.old_logprobs if batch.old_logprobs is not None else logp.detach()
-    ratio = torch.exp(logp - behaviour)
+    ratio = torch.exp((logp - behaviour).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
     clipped = ratio.clamp(1 - settings.clip_eps, 1 + settings.clip_eps)
-    per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-    metrics = {"clip_fraction": masked_mean((ratio != clipped).float(), mask).item()}
+    objective = torch.minimum(ratio * advantages, clipped * advantages)
+    floor = settings.dual_clip * advantages
+    dual_clipped = (advantages < 0) & (objective < floor)
+    objective = torch.where(dual_clipped, floor, objective)
+    per_token = -objective
+    metrics = {
+        "clip_fraction": masked_mean(((ratio != clipped) | dual_clipped).float(), mask).item()
+    }
     if batch.ref_logprobs is not None:
-        delta = batch.ref_logprobs - logp
-        kl = torch.exp(delta) - delta - 1
+        kl = k3_kl(logp, batch.ref_logprobs)
         metrics["kl"] = masked_mean(kl.detach(), mask).item()
         if settings.kl_coef:
             per_token = per_token + settings.kl_coef * kl
     loss = masked_mean(per_token, mask)
     return LossResult(loss, metrics)
+
+
+def k3_kl(logp: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(pi || ref) per token, clamped to ``[0, KL_LIMIT]``."""
+    delta = (ref_logprobs - logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    return (torch.exp(delta) - delta - 1).clamp(0.0, KL_LIMIT)
 
 
 def sft_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:

@@ -41,8 +41,10 @@ def decode_ids(ids: torch.Tensor) -> list[str]:
 class TrainState(Stateful):
     """Step, run id and the log of applied entries, trimmed to the newest ``history``.
 
-    Trimming never drops entries applied since the last checkpoint: those may still be
-    pending in Redis, and the log is what tells a restarted trainer not to train them again.
+    Trimming never drops entries applied since the newest durable checkpoint: those may
+    still be pending in Redis, and the log is what tells a restarted trainer not to train
+    them again. A checkpoint that fails (a full disk) leaves them untrimmed until one holds
+    them.
     """
 
     def __init__(self, history: int) -> None:
@@ -51,24 +53,32 @@ class TrainState(Stateful):
         self.run_id = ""
         self.applied = torch.zeros(0, 2, dtype=torch.int64)
         self.applied_set: set[str] = set()
-        self.since_checkpoint = 0
+        self.recorded = 0
+        """Entries recorded by this process (a count that only grows)."""
+        self.durable = 0
+        """:attr:`recorded` when the newest durable checkpoint was taken."""
 
     def record(self, ids: torch.Tensor) -> None:
         """Add the ``[N, 2]`` ids one optimizer step applied (every rank's, in rank order)."""
         self.applied = torch.cat([self.applied, ids.to(torch.int64).cpu()])
         self.applied_set.update(decode_ids(ids))
-        self.since_checkpoint += len(ids)
+        self.recorded += len(ids)
 
     def applied_ids(self) -> list[str]:
         return decode_ids(self.applied)
 
-    def checkpointed(self) -> None:
-        """Trim the log before a checkpoint; entries from earlier checkpoints are acked."""
-        keep = max(self.history, self.since_checkpoint)
+    def checkpointed(self) -> int:
+        """Trim the log before a checkpoint is taken; entries in durable checkpoints are
+        acked. Returns the mark to give :meth:`settled` once this checkpoint is durable."""
+        keep = max(self.history, self.recorded - self.durable)
         if len(self.applied) > keep:
-            self.applied = self.applied[-keep:].clone()
+            self.applied = self.applied[-keep:].clone() if keep else self.applied[:0].clone()
             self._reset_set()
-        self.since_checkpoint = 0
+        return self.recorded
+
+    def settled(self, mark: int) -> None:
+        """The checkpoint taken at ``mark`` (from :meth:`checkpointed`) is durable."""
+        self.durable = max(self.durable, mark)
 
     def state_dict(self) -> dict[str, Any]:
         run_id = torch.zeros(RUN_ID_BYTES, dtype=torch.uint8)
@@ -86,7 +96,7 @@ class TrainState(Stateful):
         self._reset_set()
         raw = bytes(state_dict["run_id"].tolist())
         self.run_id = raw.rstrip(b"\0").decode()
-        self.since_checkpoint = 0
+        self.recorded = self.durable = 0  # what was loaded is durable
 
     def _reset_set(self) -> None:
         """Rebuild the id set in place: the batch source holds a reference to it."""
@@ -125,13 +135,17 @@ def _checkpoints(folder: Path) -> Iterator[tuple[int, Path, bool]]:
                 yield step, Path(entry.path), (Path(entry.path) / DCP_METADATA).is_file()
 
 
+class IncompleteCheckpoint(RuntimeError):
+    """A resume checkpoint whose save returned without ``.metadata``."""
+
+
 def make_durable(checkpoint: Path) -> None:
     """fsync the checkpoint directory and its parent: DCP fsyncs files, not directories.
 
     Refuses a checkpoint without ``.metadata``: its entries must not be acknowledged.
     """
     if not (checkpoint / DCP_METADATA).is_file():
-        raise RuntimeError(
+        raise IncompleteCheckpoint(
             f"resume checkpoint {checkpoint} has no {DCP_METADATA} after its save returned; "
             "its entries stay unacknowledged and are trained again after a restart"
         )

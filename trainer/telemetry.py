@@ -2,7 +2,8 @@
 
 Rank 0 reports for the whole job. The heartbeat hash ``{wc}:trainer:heartbeat`` holds flat
 string fields that ``weightcast status`` prints as they are; the same figures are Prometheus
-gauges named ``weightcast_trainer_<field>``.
+gauges named ``weightcast_trainer_<field>``. ``/healthz`` answers 503 while Redis is
+unreachable, while resume checkpoints are failing, or when the loop has stalled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.runtime.observability import Health, ObservabilityServer, serve
+from weightcast.runtime.retry import Outage
 
 GAUGES = {
     "step": "optimizer steps in the train state",
@@ -30,6 +32,7 @@ GAUGES = {
     "pending": "entries delivered to the trainer group and not yet acknowledged",
     "stale_dropped": "batches dropped as older than max_policy_lag (this process)",
     "dead_lettered": "entries sent to the dead-letter stream (this process)",
+    "skipped_steps": "steps not applied because their loss or gradient norm was not finite",
     "already_applied": "re-delivered entries acked because a checkpoint held them",
     "last_policy_lag": "latest version minus the policy_version of the last trained batch",
     "publish_skipped": "snapshots skipped because the previous write was still running",
@@ -39,6 +42,7 @@ GAUGES = {
     "snapshot_write_seconds": "background time of the last snapshot write",
     "checkpoint_step": "step of the newest durable resume checkpoint (its entries acked)",
     "checkpoint_seconds": "time the newest durable resume checkpoint took to write",
+    "checkpoint_failures": "resume checkpoints that failed (a full disk...); retried later",
 }
 
 STALL_S = 120.0
@@ -48,10 +52,13 @@ STALL_S = 120.0
 class Telemetry:
     """Heartbeat and metrics of one trainer; only rank 0 writes or serves anything."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, port: int, leader: bool) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, port: int, leader: bool, outage: Outage
+    ) -> None:
         self.client = client
         self.keys = keys
         self.leader = leader
+        self.outage = outage
         self.registry = CollectorRegistry()
         self.gauges = {
             name: Gauge(f"weightcast_trainer_{name}", text, registry=self.registry)
@@ -75,6 +82,9 @@ class Telemetry:
         self.last_beat = now
         if not self.leader or (not force and now - float(self.fields.get("at", 0)) < every_s):
             return
+        self.outage.call(self._beat, "writing the heartbeat")
+
+    def _beat(self) -> None:
         group = next(
             (
                 g
@@ -86,7 +96,7 @@ class Telemetry:
         self.update(
             queue_lag=int(group.get("lag") or 0),
             pending=int(group.get("pending", 0)),  # XINFO GROUPS counts it too: no XPENDING
-            at=now,
+            at=time.time(),
         )
         self.client.hset(
             self.keys.trainer_heartbeat,
@@ -94,8 +104,17 @@ class Telemetry:
         )
 
     def health(self) -> Health:
+        """503 while Redis is unreachable, resume checkpoints fail, or the loop stalls."""
         age = time.time() - self.last_beat
-        return Health(age < STALL_S, {"step": self.fields.get("step"), "loop_age_s": age})
+        outage = self.outage
+        checkpoint_error = self.fields.get("last_checkpoint_error", "")
+        detail = {
+            "step": self.fields.get("step"),
+            "loop_age_s": age,
+            "redis": f"unreachable: {outage.last_error}" if outage.ongoing else "ok",
+            "last_checkpoint_error": checkpoint_error,
+        }
+        return Health(age < STALL_S and not outage.ongoing and not checkpoint_error, detail)
 
     def close(self) -> None:
         if self.server is not None:

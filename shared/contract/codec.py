@@ -2,8 +2,12 @@
 
 An entry has two fields: ``batch``, the bytes of ``safetensors.torch.save`` of a dict of
 tensors, and ``meta``, UTF-8 JSON with at least ``policy_version`` and ``producer``. No pickle
-crosses the wire. :func:`validate_batch` is the one place the tensor rules live; producers
+crosses the wire. :func:`validate_tensors` is the one place the tensor rules live; producers
 call it before sending and the trainer after receiving, so both give the same reason.
+
+Values are bounded as well as finite, so that the trainer's loss is finite for every batch
+this module admits: log-probabilities are ``<= 0`` (they are logarithms of probabilities)
+and advantages lie within ``[-MAX_ABS_ADVANTAGE, MAX_ABS_ADVANTAGE]``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ _MASK_DTYPES = (torch.bool, torch.uint8, torch.float16, torch.bfloat16, torch.fl
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+
+MAX_ABS_ADVANTAGE = 1e4
+"""Largest advantage magnitude admitted. Normalised GRPO advantages stay below the square
+root of the group size, and raw rewards of real tasks far below this; a larger value is
+almost surely a producer bug (a division by a near-zero standard deviation). With it, the
+loss per token is at most ``dual_clip * MAX_ABS_ADVANTAGE`` (1e6 at the largest dual_clip,
+100), far inside float32 and bfloat16."""
+
+MAX_POLICY_VERSION = 2**63 - 1
+"""Versions are Redis integers (signed 64 bits)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +89,23 @@ def encode_batch(
 
 
 def decode_batch(fields: Mapping[bytes | str, bytes], limits: BatchLimits) -> RolloutBatch:
-    """Parse and validate one stream entry; raises :class:`InvalidBatch` with a reason."""
+    """Parse and validate one stream entry; raises :class:`InvalidBatch` with a reason.
+
+    Whatever the parsers raise on hostile bytes (``RecursionError`` from deeply nested JSON,
+    ``MemoryError``, ``ValueError`` from a 5000-digit number...) is an invalid batch too:
+    the entry is at fault, never the process reading it.
+    """
+    try:
+        return _decode(fields, limits)
+    except InvalidBatch:
+        raise
+    except Exception as exc:
+        text = str(exc)
+        text = text if len(text) <= 200 else text[:200] + "..."
+        raise InvalidBatch(f"entry cannot be decoded: {type(exc).__name__}: {text}") from None
+
+
+def _decode(fields: Mapping[bytes | str, bytes], limits: BatchLimits) -> RolloutBatch:
     named = {k.decode() if isinstance(k, bytes) else k: v for k, v in fields.items()}
     for name in (BATCH_FIELD, META_FIELD):
         if name not in named:
@@ -112,10 +142,16 @@ def validate_meta(meta: Any) -> None:
     if not isinstance(meta, Mapping):
         raise InvalidBatch(f"meta must be a JSON object, got {type(meta).__name__}")
     version = meta.get("policy_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise InvalidBatch(f"meta.policy_version must be an int >= 0, got {version!r}")
+    if (
+        isinstance(version, bool)
+        or not isinstance(version, int)
+        or not 0 <= version <= MAX_POLICY_VERSION
+    ):
+        raise InvalidBatch(
+            f"meta.policy_version must be an int >= 0 and < 2**63, got {_short(version)}"
+        )
     if not isinstance(meta.get("producer"), str):
-        raise InvalidBatch(f"meta.producer must be a string, got {meta.get('producer')!r}")
+        raise InvalidBatch(f"meta.producer must be a string, got {_short(meta.get('producer'))}")
 
 
 def validate_tensors(tensors: Mapping[str, torch.Tensor], limits: BatchLimits) -> None:
@@ -161,12 +197,30 @@ def validate_tensors(tensors: Mapping[str, torch.Tensor], limits: BatchLimits) -
             f"got {list(advantages.shape)}"
         )
     _expect_finite("advantages", advantages)
+    largest = advantages.float().abs().max().item()
+    if largest > MAX_ABS_ADVANTAGE:
+        raise InvalidBatch(
+            f"advantages holds {largest:g}, beyond the bound of +-{MAX_ABS_ADVANTAGE:g} "
+            "(normalise them; such a value usually comes from dividing by a near-zero std)"
+        )
 
     for name in OPTIONAL_TENSORS:
         if name in tensors:
             _expect_dtype(name, tensors[name], _FLOAT_DTYPES)
             _expect_shape(name, tensors[name], (batch_size, seq_len))
             _expect_finite(name, tensors[name])
+            highest = tensors[name].float().max().item()
+            if highest > 0:
+                raise InvalidBatch(
+                    f"{name} holds {highest:g}; log-probabilities must be <= 0 "
+                    "(use 0 at positions without one)"
+                )
+
+
+def _short(value: Any) -> str:
+    """``repr(value)``, cut short: a hostile entry must not make the reason huge."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:80]}... ({len(text)} characters)"
 
 
 def _as_float(tensor: torch.Tensor | None) -> torch.Tensor | None:

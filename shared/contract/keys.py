@@ -94,6 +94,17 @@ class Keys:
         """Hash the trainer refreshes every step (step, run id, consumer, last snapshot)."""
         return f"{self.tag}:trainer:heartbeat"
 
+    @property
+    def trainer_attempts(self) -> str:
+        """Hash stream entry id -> failed attempts: steps that trained it and never finished
+        (the trainer died or raised). Cleared when the entry is acknowledged or dead-lettered."""
+        return f"{self.tag}:trainer:attempts"
+
+    @property
+    def trainer_running(self) -> str:
+        """Hash consumer -> comma-separated entry ids of the step it is running now."""
+        return f"{self.tag}:trainer:running"
+
     def version(self, number: int) -> str:
         """Hash describing version ``number``."""
         return f"{self.tag}:weights:v:{number}"

@@ -1,13 +1,56 @@
 """The batch stream: group creation, the two ways an entry leaves a group (ack, dead letter),
-and trimming what every group has acknowledged."""
+the failed attempts of entries, and trimming what every group has acknowledged.
+
+Failed attempts are counted per entry, not per delivery: before a trainer consumer runs a
+step it records the step's entry ids under its name in ``{wc}:trainer:running``
+(:func:`begin_step`) and removes them when the step has finished (:func:`end_step`). A record
+left behind means the process died or raised inside that step; whoever finds it (the same
+consumer restarting, or a trainer claiming a dead consumer's entries) counts one failed
+attempt for each of its entries in ``{wc}:trainer:attempts`` (:func:`count_failed_step`).
+Restarts, claims and re-deliveries count nothing.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import redis
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
+
+_DEAD_LETTER = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+    return 0
+end
+local fields = {}
+for i = 4, #ARGV do
+    fields[#fields + 1] = ARGV[i]
+end
+if ARGV[3] == '0' then
+    redis.call('XADD', KEYS[2], '*', unpack(fields))
+else
+    redis.call('XADD', KEYS[2], 'MAXLEN', ARGV[3], '*', unpack(fields))
+end
+redis.call('HDEL', KEYS[3], ARGV[2])
+return 1
+"""
+"""Dead-letter one entry if this group still holds it pending: retrying it after a lost reply
+adds no second copy."""
+
+_COUNT_FAILED_STEP = """
+local ids = redis.call('HGET', KEYS[1], ARGV[1])
+if not ids then
+    return {}
+end
+local counted = {}
+for id in string.gmatch(ids, '[^,]+') do
+    redis.call('HINCRBY', KEYS[2], id, 1)
+    counted[#counted + 1] = id
+end
+redis.call('HDEL', KEYS[1], ARGV[1])
+return counted
+"""
+"""Turn a consumer's record of an unfinished step into one failed attempt per entry, once."""
 
 
 def ensure_group(client: redis.Redis, keys: Keys) -> None:
@@ -29,21 +72,82 @@ def dead_letter(
     fields: Mapping[bytes | str, bytes],
     reason: str,
     keep: int = 0,
-) -> None:
-    """Move an entry to the dead-letter stream with its reason, in one transaction.
+) -> bool:
+    """Move a pending entry to the dead-letter stream with its reason, atomically.
 
-    With ``keep`` > 0 the dead-letter stream keeps only its newest ``keep`` entries, so a
-    producer that keeps sending bad batches cannot fill Redis with them; 0 keeps them all.
+    The entry gets the fields ``reason`` and ``orig_id`` beside its own, and its failed
+    attempts are forgotten. Nothing happens when the group no longer holds the entry pending
+    (already acknowledged or dead-lettered), so a retry after a lost reply is harmless; returns
+    whether it was moved. With ``keep`` > 0 the dead-letter stream keeps only its newest
+    ``keep`` entries, so a producer that keeps sending bad batches cannot fill Redis with them;
+    0 keeps them all.
     """
-    pipe = client.pipeline(transaction=True)
-    pipe.xadd(
+    flat: list[bytes | str] = []
+    for name, value in {**fields, "reason": reason, "orig_id": entry_id}.items():
+        flat += [name, value]
+    moved = client.eval(
+        _DEAD_LETTER,
+        3,
+        keys.batches,
         keys.dead_letters,
-        {**fields, "reason": reason, "orig_id": entry_id},
-        maxlen=keep or None,
-        approximate=False,
+        keys.trainer_attempts,
+        TRAINER_GROUP,
+        entry_id,
+        str(keep),
+        *flat,
     )
-    pipe.xack(keys.batches, TRAINER_GROUP, entry_id)
+    return bool(moved)
+
+
+def acknowledge(client: redis.Redis, keys: Keys, entry_ids: Sequence[str]) -> None:
+    """XACK ``entry_ids`` in the trainer group and forget their failed attempts."""
+    if not entry_ids:
+        return
+    pipe = client.pipeline(transaction=True)
+    pipe.xack(keys.batches, TRAINER_GROUP, *entry_ids)
+    pipe.hdel(keys.trainer_attempts, *entry_ids)
     pipe.execute()
+
+
+def begin_step(client: redis.Redis, keys: Keys, consumer: str, entry_ids: Sequence[str]) -> None:
+    """Record that ``consumer`` is about to train ``entry_ids`` in one step."""
+    if entry_ids:
+        client.hset(keys.trainer_running, consumer, ",".join(entry_ids))
+
+
+def end_step(client: redis.Redis, keys: Keys, consumer: str) -> None:
+    """The step ``consumer`` recorded has finished (applied, or skipped on purpose)."""
+    client.hdel(keys.trainer_running, consumer)
+
+
+def count_failed_step(client: redis.Redis, keys: Keys, consumer: str) -> list[str]:
+    """If ``consumer`` left a step unfinished, count a failed attempt for each of its
+    entries and drop the record; the entries counted (none if there was no record)."""
+    counted = client.eval(
+        _COUNT_FAILED_STEP, 2, keys.trainer_running, keys.trainer_attempts, consumer
+    )
+    return [entry_id.decode() for entry_id in counted]
+
+
+def abandoned_steps(client: redis.Redis, keys: Keys, idle_ms: int) -> list[str]:
+    """Consumers with an unfinished step that have not touched the stream for ``idle_ms``
+    (or no longer exist in the group): their step died with them."""
+    running = [name.decode() for name in client.hkeys(keys.trainer_running)]
+    if not running:
+        return []
+    idle = {
+        row["name"].decode(): row["idle"]
+        for row in client.xinfo_consumers(keys.batches, TRAINER_GROUP)
+    }
+    return [name for name in running if idle.get(name, idle_ms) >= idle_ms]
+
+
+def failed_attempts(client: redis.Redis, keys: Keys, entry_ids: Sequence[str]) -> dict[str, int]:
+    """Failed attempts of each of ``entry_ids`` (0 when none were counted)."""
+    if not entry_ids:
+        return {}
+    counts = client.hmget(keys.trainer_attempts, list(entry_ids))
+    return {entry_id: int(n or 0) for entry_id, n in zip(entry_ids, counts, strict=True)}
 
 
 def trim_acknowledged(client: redis.Redis, keys: Keys) -> int:

@@ -167,6 +167,14 @@ class TrainerConfig:
     kl_coef: float = setting(
         0.0, "weight of the k3 KL to the reference log-probabilities", flag="--kl-coef", ge=0
     )
+    dual_clip: float = setting(
+        3.0,
+        "dual-clip PPO: with a negative advantage A the per-token objective never falls below "
+        "dual_clip * A, however far the policy moved from old_logprobs",
+        flag="--dual-clip",
+        gt=1,
+        le=100,
+    )
     micro_batches: int = setting(
         1,
         "stream entries accumulated into one optimizer step, per DP rank",
@@ -185,10 +193,12 @@ class TrainerConfig:
         "<checkpoint_dir>-resume, beside the snapshots and outside the publisher's scan",
         flag="--resume-dir",
     )
-    max_deliveries: int = setting(
+    max_attempts: int = setting(
         5,
-        "dead-letter an entry delivered more often than this (it keeps crashing trainers)",
-        flag="--max-deliveries",
+        "dead-letter an entry after this many failed attempts: steps that trained it and "
+        "never finished because the trainer died or raised (restarts and re-deliveries count "
+        "nothing)",
+        flag="--max-attempts",
         ge=1,
     )
     dead_letters_kept: int = setting(

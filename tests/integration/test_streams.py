@@ -7,7 +7,17 @@ import threading
 import redis
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
-from weightcast.contract.streams import dead_letter, ensure_group, trim_acknowledged
+from weightcast.contract.streams import (
+    abandoned_steps,
+    acknowledge,
+    begin_step,
+    count_failed_step,
+    dead_letter,
+    end_step,
+    ensure_group,
+    failed_attempts,
+    trim_acknowledged,
+)
 
 
 def ids(client: redis.Redis, keys: Keys) -> list[bytes]:
@@ -59,7 +69,9 @@ def test_dead_letters_keep_their_reason_and_only_the_newest_are_kept(
         (b"2", b"bad 2", pushed[2]),
         (b"3", b"bad 3", pushed[3]),
     ]
-    dead_letter(client, keys, pushed[0].decode(), {}, "kept forever", keep=0)
+    late = client.xadd(keys.batches, {"n": "4"})
+    client.xreadgroup(TRAINER_GROUP, "a", {keys.batches: ">"})
+    dead_letter(client, keys, late.decode(), {}, "kept forever", keep=0)
     assert client.xlen(keys.dead_letters) == 3
 
 
@@ -110,3 +122,46 @@ def test_trimming_while_two_consumers_read_and_acknowledge(client: redis.Redis, 
     assert sorted(consumed) == sorted(pushed)
     trim_acknowledged(client, keys)
     assert client.xlen(keys.batches) == 0
+
+
+def test_a_step_left_unfinished_counts_one_failed_attempt_per_entry_once(
+    client: redis.Redis, keys: Keys
+) -> None:
+    begin_step(client, keys, "a", ["1-0", "2-0"])
+    end_step(client, keys, "a")  # finished: nothing to count
+    assert count_failed_step(client, keys, "a") == []
+    begin_step(client, keys, "a", ["1-0", "2-0"])  # ... and the process dies here
+    begin_step(client, keys, "b", ["3-0"])
+    assert count_failed_step(client, keys, "a") == ["1-0", "2-0"]
+    assert count_failed_step(client, keys, "a") == []  # counted once, by whoever finds it
+    begin_step(client, keys, "a", ["2-0"])
+    count_failed_step(client, keys, "a")
+    assert failed_attempts(client, keys, ["1-0", "2-0", "3-0"]) == {"1-0": 1, "2-0": 2, "3-0": 0}
+    assert client.hkeys(keys.trainer_running) == [b"b"]
+
+
+def test_steps_of_consumers_idle_past_the_claim_time_are_abandoned(
+    client: redis.Redis, keys: Keys
+) -> None:
+    ensure_group(client, keys)
+    client.xadd(keys.batches, {"n": "0"})
+    client.xreadgroup(TRAINER_GROUP, "live", {keys.batches: ">"})
+    begin_step(client, keys, "live", ["1-0"])
+    begin_step(client, keys, "gone", ["2-0"])  # no longer a consumer of the group
+    assert abandoned_steps(client, keys, idle_ms=60_000) == ["gone"]
+    assert sorted(abandoned_steps(client, keys, idle_ms=0)) == ["gone", "live"]
+
+
+def test_acknowledging_or_dead_lettering_forgets_failed_attempts_and_repeats_safely(
+    client: redis.Redis, keys: Keys
+) -> None:
+    ensure_group(client, keys)
+    first, second = (client.xadd(keys.batches, {"n": str(i)}).decode() for i in range(2))
+    client.xreadgroup(TRAINER_GROUP, "a", {keys.batches: ">"})
+    client.hset(keys.trainer_attempts, mapping={first: 2, second: 1})
+    assert dead_letter(client, keys, first, {b"n": b"0"}, "poison")
+    assert not dead_letter(client, keys, first, {b"n": b"0"}, "poison")  # a retry adds nothing
+    assert client.xlen(keys.dead_letters) == 1
+    acknowledge(client, keys, [second])
+    assert client.hlen(keys.trainer_attempts) == 0
+    assert client.xpending(keys.batches, TRAINER_GROUP)["pending"] == 0

@@ -6,12 +6,24 @@ import re
 from pathlib import Path
 
 import redis
+import torch
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshots import SnapshotInfo
+from weightcast.local.produce import synthetic_batch
 
-from helpers import final_train_state, push_batches, run_torchrun_trainer, run_weightcast
+from helpers import (
+    checkpoint_model,
+    dead_letters,
+    final_train_state,
+    heartbeat,
+    push_batches,
+    push_raw,
+    run_torchrun_trainer,
+    run_weightcast,
+    with_test_modules,
+)
 
 
 def test_two_ranks_train_their_own_batches_and_write_one_snapshot(
@@ -68,3 +80,28 @@ def test_two_ranks_with_async_resume_checkpoints_ack_each_entry_once_checkpointe
     ]
     assert client.xpending(keys.batches, TRAINER_GROUP)["pending"] == 0
     assert client.xlen(keys.batches) == 0
+
+
+def test_two_ranks_skip_a_non_finite_step_together_and_train_on(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """One rank's loss turns NaN (a user's loss): both ranks drop that step, the batch at
+    fault is dead-lettered, the other rank's batch of that step is trained later."""
+    url = cli_env["WEIGHTCAST_REDIS_URL"]
+    good = list(push_batches(url, keys, 3, prefix="a"))
+    poison = push_raw(client, keys, synthetic_batch(torch.Generator(), 2, 16, 1024), poison="nan")
+    good += push_batches(url, keys, 3, prefix="b", seed=1)
+    env = with_test_modules(cli_env)
+    result = run_torchrun_trainer(
+        env, 2, "--loss", "poison_loss:loss", "--steps", "3", "--publish-every", "100"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    assert result.stderr.count("step skipped: its loss or gradient norm was not finite") == 2
+    assert list(dead_letters(client, keys)) == [poison]
+    state = final_train_state(tmp_path / "checkpoints-resume")
+    assert (state.step, sorted(state.applied_ids())) == (3, sorted(good))
+    for name, tensor in checkpoint_model(tmp_path / "checkpoints-resume" / "step-3").items():
+        assert torch.isfinite(tensor).all(), name
+    assert heartbeat(client, keys)["skipped_steps"] == "1"  # rank 0 reports for both
+    assert client.xpending(keys.batches, TRAINER_GROUP)["pending"] == 0

@@ -24,7 +24,7 @@ from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
 
-from helpers import REPO, hf_state, publish_snapshot, shape_of, tmpfs, weightcast
+from helpers import REPO, healthz, hf_state, publish_snapshot, shape_of, tmpfs, weightcast
 
 SMALL = shape_of(4, 2, 8, hidden=16, inter=32)
 # About 95 MB in bf16: converting and fsyncing it takes long enough for kills to land in it.
@@ -211,14 +211,6 @@ def test_a_standby_takes_over_when_the_leader_is_killed(
     assert [e["version"] for e in events] == [1, 2]
     assert [e["step"] for e in events] == [1, 2]
     assert len({e["snapshot_id"] for e in events}) == 2
-
-
-def healthz(port: int) -> int:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
-            return reply.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def test_a_redis_restart_mid_stream_is_ridden_out(keys: Keys, tmp_path: Path) -> None:

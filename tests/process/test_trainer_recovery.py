@@ -27,28 +27,21 @@ from weightcast.runtime.net import free_port
 from weightcast.trainer.resume import newest_checkpoint, read_train_state
 
 from helpers import (
-    REPO,
+    config_file,
     final_train_state,
+    heartbeat,
+    pending,
     push_batches,
     run_weightcast,
+    start_weightcast,
     wait_for,
-    weightcast,
 )
 
 CHECKPOINT_EVERY_2 = "[trainer.checkpoint]\ninterval = 2\n"
 
 
 def start_trainer(env: dict[str, str], log: Path, *args: str) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen(
-            weightcast("trainer", *args), env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT
-        )
-
-
-def config_file(tmp_path: Path, text: str) -> str:
-    path = tmp_path / "trainer.toml"
-    path.write_text(text)
-    return str(path)
+    return start_weightcast(env, log, "trainer", *args)
 
 
 def partial_checkpoint(resume_dir: Path) -> str | None:
@@ -63,14 +56,6 @@ def partial_checkpoint(resume_dir: Path) -> str | None:
         ):
             return entry.name
     return None
-
-
-def heartbeat(client: redis.Redis, keys: Keys) -> dict[str, str]:
-    return {k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()}
-
-
-def pending(client: redis.Redis, keys: Keys) -> int:
-    return client.xpending(keys.batches, TRAINER_GROUP)["pending"]
 
 
 def assert_each_applied_once_or_dead(
@@ -113,7 +98,7 @@ def test_sigkill_at_random_moments_neither_loses_nor_repeats_a_batch(
         "crashy",
         "--publish-every",
         "3",
-        "--max-deliveries",
+        "--max-attempts",
         "10",
     )
     rng = random.Random(3)
@@ -159,7 +144,7 @@ def test_sigkill_at_random_moments_neither_loses_nor_repeats_a_batch(
             trainer.kill()
 
     dead_reasons = assert_each_applied_once_or_dead(client, keys, resume_dir, produced)
-    assert all("max_deliveries" in reason for reason in dead_reasons)
+    assert all("max_attempts" in reason for reason in dead_reasons)
     # At least one kill landed inside a resume checkpoint write, and it was recovered.
     assert [name for name in killed_in_checkpoint if name], killed_in_checkpoint
     assert "removed an unfinished resume checkpoint" in log.read_text()
@@ -181,7 +166,14 @@ def test_a_second_trainer_claims_and_trains_what_a_dead_one_left_pending(
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
-    time.sleep(1.2)  # the entries have been idle longer than --claim-idle-s
+    wait_for(
+        lambda: all(
+            row["time_since_delivered"] > 1000
+            for row in client.xpending_range(keys.batches, TRAINER_GROUP, "-", "+", 10)
+        ),
+        30,
+        "the pending entries to be idle longer than --claim-idle-s",
+    )
 
     second = run_weightcast(
         cli_env,
@@ -205,14 +197,18 @@ def test_a_second_trainer_claims_and_trains_what_a_dead_one_left_pending(
     assert pending(client, keys) == 0
 
 
-def test_stale_and_too_often_delivered_batches_never_reach_training(
+def test_stale_batches_and_batches_that_failed_too_often_never_reach_training(
     cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
-    # A batch already delivered three times (say three trainers died on it).
-    (poison,) = push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 1, prefix="poison")
-    client.xreadgroup(TRAINER_GROUP, "t", {keys.batches: ">"}, count=1)
-    client.xreadgroup(TRAINER_GROUP, "t", {keys.batches: "0"})
-    client.xreadgroup(TRAINER_GROUP, "t", {keys.batches: "0"})
+    # A batch three steps failed on (say three trainers died in them), and one delivered
+    # many times without a failure (restarts between steps): only the first is refused.
+    url = cli_env["WEIGHTCAST_REDIS_URL"]
+    (poison,) = push_batches(url, keys, 1, policy_version=10, prefix="poison")
+    (redelivered,) = push_batches(url, keys, 1, policy_version=10, prefix="again")
+    client.xreadgroup(TRAINER_GROUP, "t", {keys.batches: ">"})
+    for _ in range(5):
+        client.xreadgroup(TRAINER_GROUP, "t", {keys.batches: "0"})
+    client.hset(keys.trainer_attempts, poison, 3)
     client.set(keys.latest, 10)
     fresh = push_batches(
         cli_env["WEIGHTCAST_REDIS_URL"], keys, 1, policy_version=10, prefix="fresh"
@@ -231,17 +227,17 @@ def test_stale_and_too_often_delivered_batches_never_reach_training(
         "t",
         "--max-policy-lag",
         "3",
-        "--max-deliveries",
+        "--max-attempts",
         "3",
         "--steps",
-        "2",
+        "3",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     state = final_train_state(tmp_path / "checkpoints-resume")
-    assert state.applied_ids() == [*fresh, *edge]
+    assert state.applied_ids() == [redelivered, *fresh, *edge]
     (dead,) = client.xrange(keys.dead_letters)
     assert dead[1][b"orig_id"].decode() == poison
-    assert b"delivered 4 times, more than trainer.max_deliveries=3" in dead[1][b"reason"]
+    assert dead[1][b"reason"].startswith(b"failed 3 attempts (trainer.max_attempts=3)")
     beat = heartbeat(client, keys)
     assert (beat["stale_dropped"], beat["dead_lettered"], beat["last_policy_lag"]) == (
         "1",
@@ -249,6 +245,7 @@ def test_stale_and_too_often_delivered_batches_never_reach_training(
         "3",
     )
     assert pending(client, keys) == 0
+    assert client.hlen(keys.trainer_attempts) == 0
 
 
 def test_sigterm_finishes_the_step_checkpoints_acks_and_a_restart_trains_the_rest(

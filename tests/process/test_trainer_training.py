@@ -12,8 +12,8 @@ import torch
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.keys import Keys
 from weightcast.runtime.config import load_config, resume_dir
+from weightcast.trainer.job import build_job_config
 from weightcast.trainer.model import TRAIN_SPEC_NAME
-from weightcast.trainer.worker import build_job_config
 
 from helpers import (
     REPO,

@@ -66,6 +66,10 @@ def test_encoded_fields_are_safetensors_and_json() -> None:
         (good(advantages=torch.zeros(3)), "advantages must be [B] or [B, T]"),
         (good(ref_logprobs=torch.zeros(2, 8, dtype=torch.int64)), "ref_logprobs has dtype"),
         (good(old_logprobs=torch.full((2, 8), float("inf"))), "old_logprobs holds a non-finite"),
+        (good(old_logprobs=torch.full((2, 8), 0.5)), "old_logprobs holds 0.5; log-probabilities"),
+        (good(ref_logprobs=torch.full((2, 8), 1e-3)), "ref_logprobs holds 0.001; log-probab"),
+        (good(advantages=torch.tensor([3e38, 0.0])), "advantages holds 3e+38, beyond the bound"),
+        (good(advantages=torch.tensor([0.0, -10001.0])), "advantages holds 10001, beyond"),
         (good(reward=torch.zeros(2)), "unknown tensor(s) ['reward']"),
         ({"input_ids": torch.zeros(2, 8, dtype=torch.int64)}, "missing tensor(s)"),
     ],
@@ -92,6 +96,18 @@ def test_bad_tensors_are_refused_with_a_reason(tensors: dict, reason: str) -> No
         ),
         ({BATCH_FIELD: b"x", META_FIELD: b'{"policy_version": 1}'}, "meta.producer must be"),
         (
+            {BATCH_FIELD: b"x", META_FIELD: b'{"policy_version": 9223372036854775808}'},
+            "meta.policy_version must be an int >= 0 and < 2**63, got 9223372036854775808",
+        ),
+        (
+            {BATCH_FIELD: b"x", META_FIELD: b"[" * 100_000 + b"]" * 100_000},
+            "entry cannot be decoded: RecursionError: maximum recursion depth exceeded",
+        ),
+        (
+            {BATCH_FIELD: b"x", META_FIELD: b'{"policy_version": ' + b"9" * 5000 + b"}"},
+            "entry cannot be decoded: ValueError: Exceeds the limit (4300 digits)",
+        ),
+        (
             {BATCH_FIELD: b"garbage bytes", META_FIELD: json.dumps(META).encode()},
             "not a safetensors blob",
         ),
@@ -101,6 +117,39 @@ def test_bad_fields_are_refused_with_a_reason(fields: dict, reason: str) -> None
     with pytest.raises(InvalidBatch) as refused:
         decode_batch(fields, LIMITS)
     assert reason in refused.value.reason
+
+
+def test_the_extremes_the_bounds_allow_are_admitted() -> None:
+    tensors = good(
+        advantages=torch.tensor([1e4, -1e4]),
+        old_logprobs=torch.full((2, 8), -3e38),
+        ref_logprobs=torch.zeros(2, 8),
+    )
+    batch = decode_batch(encode_batch(tensors, META), LIMITS)
+    assert batch.advantages.abs().max() == 1e4
+
+
+def test_whatever_a_parser_raises_is_an_invalid_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MemoryError (say, from a size a header declares) or anything else: the entry is bad."""
+
+    fields = encode_batch(good(), META)
+
+    def out_of_memory(*_args: object) -> None:
+        raise MemoryError("cannot allocate 2**40 bytes")
+
+    monkeypatch.setattr("weightcast.contract.codec.validate_tensors", out_of_memory)
+    with pytest.raises(InvalidBatch) as refused:
+        decode_batch(fields, LIMITS)
+    assert (
+        refused.value.reason == "entry cannot be decoded: MemoryError: cannot allocate 2**40 bytes"
+    )
+
+
+def test_a_long_reason_is_cut_short() -> None:
+    meta = json.dumps({"policy_version": 1, "producer": ["x" * 10_000]}).encode()
+    with pytest.raises(InvalidBatch) as refused:
+        decode_batch({BATCH_FIELD: b"x", META_FIELD: meta}, LIMITS)
+    assert len(refused.value.reason) < 200 and "characters)" in refused.value.reason
 
 
 def test_oversize_batch_is_refused_before_parsing() -> None:

@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from weightcast.contract.codec import RolloutBatch
+from weightcast.contract.codec import MAX_ABS_ADVANTAGE, RolloutBatch
 from weightcast.trainer.loss import (
+    KL_LIMIT,
     LossSettings,
     get_loss,
     grpo_loss,
@@ -130,3 +131,52 @@ def test_a_users_loss_is_loaded_by_dotted_path() -> None:
 def test_trained_tokens_counts_the_mask_without_position_zero() -> None:
     _, batch = make_batch([[1, 1, 1, 0], [0, 0, 0, 1]], [1.0, 1.0])
     assert trained_tokens(batch) == 3
+
+
+EXTREME_LOGPROBS = [0.0, -1e-30, -0.5, -7.0, -100.0, -1e4, -3e38]
+EXTREME_ADVANTAGES = [-MAX_ABS_ADVANTAGE, -1.0, -1e-30, 0.0, 1e-30, 1.0, MAX_ABS_ADVANTAGE]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logit_scale", [1.0, 1e4])
+def test_grpo_is_finite_for_every_batch_the_contract_admits(
+    dtype: torch.dtype, logit_scale: float
+) -> None:
+    """The corners of what validate_tensors admits: log-probabilities from 0 to -3e38 (old
+    and reference), advantages at the bound, logits near-uniform or saturated."""
+    settings = LossSettings(clip_eps=0.2, kl_coef=1.0, dual_clip=100.0)
+    for old in EXTREME_LOGPROBS:
+        for advantage in EXTREME_ADVANTAGES:
+            logits, batch = make_batch([[0, 1, 1, 1]] * 2, [advantage, -advantage])
+            logits = (logits.detach() * logit_scale).to(dtype).requires_grad_()
+            batch.old_logprobs = torch.full((2, 4), old)
+            batch.ref_logprobs = torch.full((2, 4), old)
+            result = grpo_loss(logits, batch, settings)
+            (grad,) = torch.autograd.grad(result.loss, logits)
+            case = f"old/ref={old} advantage={advantage}"
+            assert math.isfinite(result.loss.item()), case
+            assert torch.isfinite(grad.float()).all(), case
+            assert abs(result.loss.item()) <= 100.0 * MAX_ABS_ADVANTAGE + KL_LIMIT, case
+
+
+def test_negative_advantages_are_dual_clipped() -> None:
+    """Far above pi_old with a negative advantage: the objective stops at dual_clip * A and
+    gives no gradient; below dual_clip the PPO objective (and its gradient) is unchanged."""
+    logits, batch = make_batch([[0, 1, 1]], [-2.0])
+    logp = token_logprobs(logits, batch.input_ids).detach()
+    batch.old_logprobs = logp - torch.tensor([[0.0, 50.0, math.log(2.0)]])  # ratios e^50, 2
+    result = grpo_loss(logits, batch, LossSettings(clip_eps=0.2, dual_clip=3.0))
+    assert result.loss.item() == pytest.approx((3.0 * 2.0 + 2.0 * 2.0) / 2, rel=1e-5)
+    assert result.metrics["clip_fraction"] == 1.0  # both ratios lie outside [0.8, 1.2]
+    (grad,) = torch.autograd.grad(result.loss, logits)
+    assert torch.count_nonzero(grad[0, 0]) == 0  # token 1, dual-clipped
+    assert torch.count_nonzero(grad[0, 1]) > 0  # token 2: ratio 2 is unclipped for A < 0
+
+
+def test_the_kl_estimate_is_clamped_far_from_the_reference() -> None:
+    logits, batch = make_batch([[0, 1, 1]], [0.0])
+    logp = token_logprobs(logits, batch.input_ids).detach()
+    batch.ref_logprobs = logp + 60.0  # exp(60) would be 1e26 per token
+    result = grpo_loss(logits, batch, LossSettings(kl_coef=1.0))
+    assert result.metrics["kl"] == KL_LIMIT
+    assert result.loss.item() == pytest.approx(KL_LIMIT)

@@ -26,16 +26,40 @@ def test_stream_ids_round_trip_through_an_int64_tensor() -> None:
     assert encode_ids([]).shape == (0, 2)
 
 
-def test_trimming_keeps_the_history_and_everything_since_the_last_checkpoint() -> None:
+def test_trimming_keeps_the_history_and_everything_since_the_last_durable_checkpoint() -> None:
     state = TrainState(history=3)
     state.record(encode_ids([f"{i}-0" for i in range(5)]))
-    state.checkpointed()  # all five are new since the last checkpoint: none may go
+    first = state.checkpointed()  # all five are new since the last checkpoint: none may go
     assert state.applied_ids() == [f"{i}-0" for i in range(5)]
+    state.settled(first)
     state.record(encode_ids(["5-0"]))
     held = state.applied_set
-    state.checkpointed()
+    state.settled(state.checkpointed())
     assert state.applied_ids() == ["3-0", "4-0", "5-0"]
     assert held is state.applied_set and held == {"3-0", "4-0", "5-0"}  # updated in place
+
+
+def test_a_checkpoint_that_failed_trims_nothing_it_should_have_held() -> None:
+    state = TrainState(history=2)
+    state.record(encode_ids(["0-0", "1-0"]))
+    state.settled(state.checkpointed())
+    state.record(encode_ids(["2-0", "3-0", "4-0"]))
+    state.checkpointed()  # this save fails (a full disk): never settled
+    state.record(encode_ids(["5-0"]))
+    retry = state.checkpointed()
+    assert state.applied_ids() == ["2-0", "3-0", "4-0", "5-0"]  # none in a durable one yet
+    state.settled(retry)
+    state.record(encode_ids(["6-0"]))
+    state.checkpointed()
+    assert state.applied_ids() == ["5-0", "6-0"]
+
+
+def test_a_history_of_zero_keeps_only_what_is_not_durable() -> None:
+    state = TrainState(history=0)
+    state.record(encode_ids(["0-0"]))
+    state.settled(state.checkpointed())
+    state.checkpointed()
+    assert state.applied_ids() == []
 
 
 def test_a_saved_train_state_is_found_and_read_back(tmp_path: Path) -> None:

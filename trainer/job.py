@@ -1,0 +1,93 @@
+"""torchtitan's job config from weightcast's ``[trainer]`` settings and ``[trainer.*]`` tables."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torchtitan.experiments.forge.job_config import ForgeJobConfig
+
+from weightcast.contract.errors import ConfigError
+from weightcast.runtime.config import TrainerConfig
+from weightcast.trainer.model import TRAIN_SPEC_NAME
+
+UNBOUNDED_STEPS = 10**9
+"""The LR schedule's horizon when training runs until stopped."""
+
+RESUME_EVERY = 10
+"""Default steps between resume checkpoints (torchtitan's ``checkpoint.interval``)."""
+
+COLLECTIVE_MARGIN_S = 120
+"""Seconds a collective waits beyond ``redis_retry_seconds``: one rank may be riding out a
+Redis outage while the others wait for it in an all-reduce."""
+
+ASYNC_MODES = ("disabled", "async")
+"""``[trainer.checkpoint] async_mode`` values: a blocking save, or DCP's async_save in a thread."""
+
+
+def build_job_config(
+    cfg: TrainerConfig, resume_dir: Path | None = None, redis_retry_seconds: float = 0.0
+) -> ForgeJobConfig:
+    """torchtitan's job config: weightcast's defaults, then the ``[trainer.*]`` overrides.
+
+    Resume checkpoints use torchtitan's checkpointer (always on, in ``resume_dir``):
+    every ``checkpoint.interval`` steps (10) and at exit, the newest ``keep_latest_k`` (2)
+    kept, full state (not model-only) also at the last step. Collectives wait at least
+    ``redis_retry_seconds`` (plus a margin) for a rank that rides out a Redis outage.
+    """
+    job = ForgeJobConfig()
+    job.model.name = TRAIN_SPEC_NAME
+    job.model.flavor = cfg.model
+    job.model.hf_assets_path = None
+    job.training.seq_len = cfg.seq_len
+    job.training.steps = cfg.steps or UNBOUNDED_STEPS
+    job.training.local_batch_size = 1
+    job.training.seed = cfg.seed
+    job.training.mixed_precision_param = "bfloat16" if torch.cuda.is_available() else "float32"
+    job.lr_scheduler.warmup_steps = 2
+    job.lr_scheduler.decay_ratio = 0.0
+    job.checkpoint.interval = RESUME_EVERY
+    job.checkpoint.keep_latest_k = 2
+    job.comm.trace_buf_size = 0
+    job.comm.init_timeout_seconds = max(
+        job.comm.init_timeout_seconds, int(redis_retry_seconds) + COLLECTIVE_MARGIN_S
+    )
+    for section_name, values in cfg.titan.items():
+        section = getattr(job, section_name, None)
+        if not dataclasses.is_dataclass(section):
+            known = ", ".join(f.name for f in dataclasses.fields(job))
+            raise ConfigError(
+                f"unknown torchtitan section [trainer.{section_name}]; known: {known}"
+            )
+        names = {f.name for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            if key not in names:
+                raise ConfigError(
+                    f"[trainer.{section_name}] has no setting {key!r}; "
+                    f"known: {', '.join(sorted(names))}"
+                )
+            setattr(section, key, value)
+    if job.model.name != TRAIN_SPEC_NAME:
+        raise ConfigError(
+            f"[trainer.model] name must stay {TRAIN_SPEC_NAME!r} (choose the flavor instead)"
+        )
+    job.checkpoint.enable = True
+    job.checkpoint.folder = str(resume_dir or Path(job.checkpoint.folder).absolute())
+    job.checkpoint.last_save_model_only = False
+    job.checkpoint.async_mode = job.checkpoint.async_mode.lower()
+    if job.checkpoint.async_mode not in ASYNC_MODES:
+        raise ConfigError(
+            f"[trainer.checkpoint] async_mode {job.checkpoint.async_mode!r} is not supported; "
+            f"choose one of {', '.join(ASYNC_MODES)} ('async_with_pinned_mem' needs "
+            "torchtitan's GPU staging path, which weightcast does not drive)"
+        )
+    if job.checkpoint.interval < 1:
+        raise ConfigError("[trainer.checkpoint] interval must be >= 1")
+    if job.checkpoint.keep_latest_k == 1:
+        raise ConfigError(
+            "[trainer.checkpoint] keep_latest_k must be 0 (keep all) or >= 2: the newest "
+            "checkpoint may be unfinished when the trainer dies, and the one before it is "
+            "what it resumes from"
+        )
+    return job
