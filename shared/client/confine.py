@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -26,6 +27,7 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 """``O_NONBLOCK``: opening a FIFO planted under a weights name must not hang the node (it is
 refused by the ``fstat`` check right after); it changes nothing for regular files."""
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 def plain_name(name: object, what: str) -> str:
@@ -119,21 +121,28 @@ class OpenFile(_Descriptor):
     def read_at(self, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``offset``."""
         data = bytearray(length)
-        self.read_into(memoryview(data), offset)
+        self.read_into([memoryview(data)], offset)
         return bytes(data)
 
-    def read_into(self, buffer: memoryview, offset: int) -> None:
-        """Fill ``buffer`` with the bytes at ``offset``; a file that ends early is a
-        WeightsError."""
-        done = 0
-        while done < len(buffer):
-            got = os.preadv(self.fd, [buffer[done:]], offset + done)
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill ``buffers``, in order, with the bytes from ``offset`` on (``preadv``); a file
+        that ends early is a WeightsError."""
+        pending = [b for b in buffers if len(b)]
+        first, at = 0, offset
+        while first < len(pending):
+            got = os.preadv(self.fd, pending[first : first + _IOV_MAX], at)
             if got == 0:
+                wanted = offset + sum(len(b) for b in buffers)
                 raise WeightsError(
-                    f"{self.label}: ends at {offset + done} bytes, before "
-                    f"{offset + len(buffer)} (the file shrank while it was read)"
+                    f"{self.label}: ends at {at} bytes, before {wanted} "
+                    "(the file shrank while it was read)"
                 )
-            done += got
+            at += got
+            while got and got >= len(pending[first]):
+                got -= len(pending[first])
+                first += 1
+            if got:
+                pending[first] = pending[first][got:]
 
 
 class VersionDir(_Descriptor):

@@ -5,12 +5,13 @@ A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes o
 the header) and the data. A node reads the header of a file it has not verified yet (its
 blocks are checked first when the manifest has block digests), so nothing in it is trusted:
 the length must fit the file, every tensor's bytes must equal its shape times its element
-size and lie inside the file. A header claiming 2**62 bytes is a :class:`WeightsError`, never
-an allocation.
+size, lie inside the file and overlap no other tensor's. A header claiming 2**62 bytes is a
+:class:`WeightsError`, never an allocation.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 from dataclasses import dataclass
@@ -82,6 +83,12 @@ def parse_header(text: bytes, file_bytes: int, label: str) -> dict[str, TensorSp
         if name == "__metadata__":
             continue
         spans[name] = _span(name, entry, data_start, file_bytes, label)
+    ordered = sorted((s for s in spans.values() if s.stop > s.start), key=lambda s: s.start)
+    for before, after in itertools.pairwise(ordered):
+        if after.start < before.stop:
+            raise WeightsError(
+                f"{label}: safetensors header entries {before.name!r} and {after.name!r} overlap"
+            )
     return spans
 
 

@@ -327,6 +327,10 @@ MALFORMED_MANIFESTS = {
         ),
         "lists no config.json",
     ),
+    "a tensor listed twice": (
+        lambda v: edit_manifest(v, lambda m: m["tensors"].append(m["tensors"][0])),
+        "lists a tensor twice",
+    ),
     "a tensor's shape is not a list of sizes": (
         lambda v: edit_manifest(v, lambda m: m["tensors"][0].update(shape="big")),
         "malformed shape or shard",

@@ -20,7 +20,7 @@ import pytest
 import redis
 import torch
 
-from weightcast.client import reader as reader_module
+from weightcast.client import block_reads
 from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
 from weightcast.client.verified import LOCK_NAME, NodeRecord, RecordKey
@@ -88,10 +88,10 @@ def test_each_rank_reads_and_verifies_only_its_blocks(
     reads: list[tuple[int, int]] = []
     read_into = OpenFile.read_into
 
-    def recorded(self: OpenFile, buffer: memoryview, offset: int) -> None:
+    def recorded(self: OpenFile, buffers: list[memoryview], offset: int) -> None:
         if self.label.endswith("model.safetensors"):
-            reads.append((offset, offset + len(buffer)))
-        read_into(self, buffer, offset)
+            reads.append((offset, offset + sum(len(b) for b in buffers)))
+        read_into(self, buffers, offset)
 
     monkeypatch.setattr(OpenFile, "read_into", recorded)
     state = hf_state(SMALL_GQA, torch.bfloat16)
@@ -146,7 +146,7 @@ def test_a_corrupt_block_fails_only_the_ranks_that_read_it(deployment: Deploymen
 def test_a_format_1_file_is_verified_whole_once_then_read_in_part(
     deployment: Deployment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(reader_module, "WHOLE_FILE_GRID", BLOCK)  # a tiny model's file
+    monkeypatch.setattr(block_reads, "WHOLE_FILE_GRID", BLOCK)  # a tiny model's file
     reader = deployment.reader()
     size = (deployment.root / "weights" / "v1" / "model.safetensors").stat().st_size
     reader.rank_tensors(1, 0, TP)

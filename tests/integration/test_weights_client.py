@@ -175,7 +175,7 @@ def vllm_rank(name: str, state: dict[str, torch.Tensor], tp: int, rank: int) -> 
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_tensors_for_rank_give_vllms_rank_tensors_from_fused_and_per_rank_files(
+def test_rank_tensors_are_vllms_rank_tensors_from_fused_and_per_rank_files(
     client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer, tp: int
 ) -> None:
     deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=tp)

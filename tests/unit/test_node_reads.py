@@ -14,8 +14,8 @@ import pytest
 import redis
 import torch
 
+from weightcast.client.block_reads import Rect, copy_rect
 from weightcast.client.confine import registered_parts
-from weightcast.client.reader import Rect, copy_rect
 from weightcast.client.safetensors_header import header_bytes, parse_header
 from weightcast.client.versions import VersionInfo
 from weightcast.contract.errors import RedisFull, WeightsError
@@ -92,6 +92,14 @@ def test_a_good_header_gives_absolute_spans() -> None:
     assert spans["a"].dtype_name == "bfloat16" and spans["b"].shape == ()
     with pytest.raises(WeightsError, match="not JSON"):
         parse_header(b"\xff{", 100, "f")
+    overlapping = header_of(
+        {
+            "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+            "b": {"dtype": "U8", "shape": [4], "data_offsets": [6, 10]},
+        }
+    )
+    with pytest.raises(WeightsError, match="entries 'a' and 'b' overlap"):
+        parse_header(overlapping, 8 + len(overlapping) + 10, "f")
 
 
 def test_copying_a_rect_window_by_window_gives_the_rect() -> None:
