@@ -316,6 +316,8 @@ def _part(want: Want, spans: dict[str, TensorSpan], label: str) -> _Part:
             f"{label}: tensor {entry.name} is missing or not {entry.dtype} {entry.shape}"
         )
     item, shape = span.dtype.itemsize, span.shape
+    if part is not None and part.start == 0 and part.stop == shape[part.dim]:
+        part = None  # all of it (tp 1): one contiguous range, read straight into the tensor
     if part is None:
         return _Part(entry.name, span.dtype, shape, Rect(span.start, 1, 0, span.stop - span.start))
     count = part.stop - part.start
