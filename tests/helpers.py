@@ -4,12 +4,16 @@ what the trainer tests read back (train state, heartbeat, dead letters)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +32,19 @@ from weightcast.client.weights import WeightsClient
 from weightcast.contract.codec import BATCH_FIELD, META_FIELD
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.layout import ModelShape, rank_slice
-from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
+from weightcast.contract.manifest import (
+    BLOCK_BYTES,
+    DEFAULT_DIGEST,
+    MANIFEST_FORMAT,
+    MANIFEST_FORMATS,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    file_digests,
+    file_entry,
+    sha256_bytes,
+    sha256_file,
+)
 from weightcast.contract.snapshots import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
@@ -216,9 +232,9 @@ class Deployment:
     def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
         return WeightsClient(
             self.redis_url,
-            self.keys.namespace,
-            node_id,
             self.root / "weights",
+            namespace=self.keys.namespace,
+            node_id=node_id,
             lease_seconds=lease_seconds,
         )
 
@@ -228,7 +244,7 @@ def split_per_rank(deployment: Deployment, version: int) -> int:
     rank r's file holds, under the fused names, what ``rank_slice`` gives rank r."""
     client, keys = deployment.client, deployment.keys
     fields = client.hgetall(keys.version(version))
-    source = deployment.root / "weights" / fields[b"path"].decode()
+    source = deployment.root / "weights" / fields[b"path"].decode()  # relative or absolute
     manifest = Manifest.read(source)
     tensors = load_file(str(source / "model.safetensors"))
     target = source.parent / f"v{version}-per-rank"
@@ -308,15 +324,6 @@ def dead_letters(client: redis.Redis, keys: Keys) -> dict[str, str]:
         fields[b"orig_id"].decode(): fields[b"reason"].decode()
         for _, fields in client.xrange(keys.dead_letters)
     }
-
-
-def healthz(port: int) -> int:
-    """The status code of a daemon's ``/healthz`` on this machine."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
-            return reply.status
-    except urllib.error.HTTPError as exc:
-        return exc.code
 
 
 def final_train_state(resume_dir: Path) -> TrainState:
@@ -478,3 +485,150 @@ def rank_part(tensor: torch.Tensor, shard: Mapping[str, Any], rank: int, tp: int
     """What tp rank ``rank`` holds of a published ``tensor`` (``layout.rank_slice``), a view."""
     part = rank_slice(shard, list(tensor.shape), rank, tp)
     return tensor if part is None else tensor.narrow(part.dim, part.start, part.stop - part.start)
+
+
+def copy_version(deployment: Deployment, version: int) -> tuple[int, Path]:
+    """A copy of ``version``'s directory as ``v<N>`` under a fresh version number N, to be
+    changed and then registered with :func:`register_version`."""
+    number = deployment.registry.allocate_version()
+    weights = deployment.root / "weights"
+    source = weights / deployment.client.hget(deployment.keys.version(version), "path").decode()
+    target = weights / f"v{number}"
+    shutil.copytree(source, target, symlinks=True)
+    return number, target
+
+
+def register_version(
+    deployment: Deployment,
+    number: int,
+    like: int,
+    path: str | None = None,
+    drop: tuple[str, ...] = (),
+) -> None:
+    """Register ``v<number>`` as the publisher would (version hash, live set, latest, event),
+    its hash copied from version ``like`` but for ``path`` (``v<number>`` unless given), the
+    SHA-256 of the directory's manifest as it is now, and the fields in ``drop`` left out."""
+    client, keys = deployment.client, deployment.keys
+    path = f"v{number}" if path is None else path
+    fields = {k.decode(): v for k, v in client.hgetall(keys.version(like)).items()}
+    manifest = deployment.root / "weights" / f"v{number}" / MANIFEST_NAME
+    if manifest.is_file() and not manifest.is_symlink():
+        fields["manifest_sha256"] = sha256_bytes(manifest.read_bytes())
+    fields["path"] = path
+    for name in drop:
+        fields.pop(name, None)
+    pipe = client.pipeline(transaction=True)
+    pipe.hset(keys.version(number), mapping=fields)
+    pipe.zadd(keys.versions, {number: number})
+    pipe.set(keys.latest, number)
+    pipe.publish(keys.events, json.dumps({"event": "published", "version": number}))
+    pipe.execute()
+
+
+def redigest(
+    directory: Path, algorithm: str = DEFAULT_DIGEST, block_bytes: int = BLOCK_BYTES
+) -> bytes:
+    """Rewrite ``directory``'s manifest with the digests of each listed file as it is now (so
+    a deliberately broken file passes them): format 2 with block digests, or format 1 with a
+    whole-file SHA-256 when ``algorithm`` is ``sha256``. Returns the manifest's bytes."""
+    manifest = Manifest.read(directory)
+    if algorithm == "sha256":
+        files = [
+            FileEntry(
+                f.name, (directory / f.name).stat().st_size, sha256=sha256_file(directory / f.name)
+            )
+            for f in manifest.files
+        ]
+        manifest_format = MANIFEST_FORMATS[0]
+    else:
+        files = [
+            FileEntry(
+                f.name,
+                (directory / f.name).stat().st_size,
+                blocks=file_digests(directory / f.name, algorithm, block_bytes),
+            )
+            for f in manifest.files
+        ]
+        manifest_format = MANIFEST_FORMAT
+    text = dataclasses.replace(manifest, files=files, format=manifest_format).to_json().encode()
+    (directory / MANIFEST_NAME).write_bytes(text)
+    return text
+
+
+class OpenWatch:
+    """The kernel's word (inotify ``IN_OPEN`` / ``IN_ACCESS``) on whether any process opened
+    or read a file directly in ``directory`` while the watch was on."""
+
+    IN_ACCESS, IN_OPEN = 0x1, 0x20
+
+    def __init__(self, directory: Path) -> None:
+        self._libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self._libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        assert self.fd >= 0, os.strerror(ctypes.get_errno())
+        mask = self.IN_ACCESS | self.IN_OPEN
+        assert self._libc.inotify_add_watch(self.fd, str(directory).encode(), mask) >= 0
+
+    def touched(self) -> list[str]:
+        """Names opened or read since the watch began (or since the last call)."""
+        names = []
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return names
+            offset = 0
+            while offset < len(data):
+                _wd, _mask, _cookie, length = struct.unpack_from("iIII", data, offset)
+                names.append(data[offset + 16 : offset + 16 + length].rstrip(b"\0").decode())
+                offset += 16 + length
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class OutputLines:
+    """A process's output, read line by line by a thread, so that a test can wait for a
+    line (an event) with a generous timeout instead of sleeping."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None
+        self.lines: list[str] = []
+        self._seen = 0
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(process.stdout,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: Any) -> None:
+        for line in stream:
+            with self._changed:
+                self.lines.append(line)
+                self._changed.notify_all()
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> str:
+        """The next line (after the last one matched) that matches the regex ``pattern``."""
+        compiled = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while True:
+                for index in range(self._seen, len(self.lines)):
+                    if compiled.search(self.lines[index]):
+                        self._seen = index + 1
+                        return self.lines[index]
+                left = deadline - time.monotonic()
+                assert left > 0, f"no line matching {pattern!r}; output:\n{''.join(self.lines)}"
+                self._changed.wait(left)
+
+    def text(self) -> str:
+        with self._changed:
+            return "".join(self.lines)
+
+
+def healthz(port: int) -> int:
+    """The status code of ``/healthz`` on a local port (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0

@@ -1,20 +1,28 @@
 """``weightcast follow``: a reference inference node, optionally also the rollout producer.
 
-It waits for a newer ``latest`` and loads it (:class:`~weightcast.client.node.Node`). With
+It waits for a newer ``latest`` and loads it (:class:`~weightcast.client.node.Node`); a version
+that must not be loaded is logged and skipped, and the next good one is loaded. With
 ``--rollout`` it also samples from the version it loaded and pushes scored batches to the
 trainer (see :mod:`weightcast.local.rollout`), keeping at most ``rollout.max_pending`` of them
 queued.
+
+It rides out Redis outages and a full Redis (``common.redis_retry_seconds``; retries with
+capped exponential back-off, then one clear error) and serves ``/healthz`` on
+``follow.metrics_port``: 503 while Redis is unreachable or full.
 """
 
 from __future__ import annotations
 
 import signal
+import threading
 from typing import Any
 
 from weightcast.client.node import Node
 from weightcast.client.weights import WeightsClient
-from weightcast.runtime.config import Config
+from weightcast.runtime.config import Config, FollowConfig
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.observability import Health, serve
+from weightcast.runtime.retry import Outage
 
 log = get_logger("follow")
 
@@ -23,31 +31,55 @@ def run_follow(config: Config) -> int:
     cfg = config.follow
     client = WeightsClient(
         config.common.redis_url,
-        config.common.namespace,
-        cfg.node_id,
         config.common.weights_dir,
+        namespace=config.common.namespace,
+        node_id=cfg.node_id,
         lease_seconds=cfg.lease_seconds,
     )
-    stopping = False
+    stop = threading.Event()
 
     def request_stop(_signum: int, _frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
+        stop.set()
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    log.info("following", node_id=client.node_id, weights_dir=str(config.common.weights_dir))
     node = Node(client, report_every=cfg.poll_seconds)
-    if cfg.rollout:
-        from weightcast.local.rollout import run_rollout_node
+    outage = Outage(budget=config.common.redis_retry_seconds)
+    server = serve(cfg.metrics_port, lambda: node_health(node, outage))
+    log.info(
+        "following",
+        node_id=client.node_id,
+        weights_dir=str(client.files.root),
+        healthz=server.port if server else "off",
+    )
+    try:
+        if cfg.rollout:
+            from weightcast.local.rollout import run_rollout_node
 
-        return run_rollout_node(config, node, lambda: stopping)
-    while not stopping:
-        version = client.wait_for_newer(node.seen, timeout=cfg.poll_seconds, poll=cfg.poll_seconds)
-        if version is None:
-            node.report()
-            continue
+            return run_rollout_node(config, node, stop, outage)
+        while not stop.is_set():
+            followed = outage.attempt(lambda: follow_once(node, cfg, stop), "following", stop.wait)
+            if followed and cfg.until_version and node.current >= cfg.until_version:
+                break
+        return 0
+    finally:
+        if server is not None:
+            server.close()
+        client.close()
+
+
+def follow_once(node: Node, cfg: FollowConfig, stop: threading.Event) -> None:
+    """Report when due, wait up to one poll for a newer version, load it if there is one."""
+    node.report()
+    version = node.client.wait_for_newer(
+        node.seen, timeout=cfg.poll_seconds, poll=cfg.poll_seconds, stop=stop
+    )
+    if version is not None:
         node.load(version)
-        if cfg.until_version and node.current >= cfg.until_version:
-            break
-    return 0
+        node.report()
+
+
+def node_health(node: Node, outage: Outage) -> Health:
+    """``/healthz``: 200 while Redis answers, 503 while it is unreachable or full."""
+    detail = {"node_id": node.client.node_id, "version": node.current, **outage.detail()}
+    return Health(not outage.ongoing, detail)

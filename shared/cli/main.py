@@ -126,6 +126,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         return run_follow(config)
     from weightcast.cli.status import collect_status, format_status, watch
     from weightcast.contract.keys import Keys
+    from weightcast.runtime.retry import Outage
 
     client = redis.Redis.from_url(config.common.redis_url)
     keys = Keys(config.common.namespace)
@@ -134,7 +135,8 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         return collect_status(client, keys, config.follow.stale_seconds)
 
     if args.watch is not None:
-        return watch(read, args.watch, args.json)
+        outage = Outage(budget=config.common.redis_retry_seconds, cap=max(args.watch, 2.0))
+        return watch(read, args.watch, args.json, outage=outage)
     status = read()
     print(json.dumps(status, indent=1) if args.json else format_status(status))
     return 0

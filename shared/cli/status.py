@@ -3,7 +3,8 @@
 Latest version and its age, live versions with their leases, inference nodes with the
 version each runs (stale ones marked), the active publisher and the snapshots it quarantined,
 the trainer's heartbeat (every field it writes, so new fields show up without a change here)
-and the batch stream's depths.
+and the batch stream's depths. ``--watch`` rides out a Redis outage (``redis_retry_seconds``),
+saying so on screen while it lasts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, TextIO
 import redis
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.runtime.retry import REDIS_DOWN, Outage
 
 HEARTBEAT_ORDER = ("step", "run_id", "consumer", "last_snapshot")
 """Heartbeat fields shown first, by name; any others follow as ``key=value``."""
@@ -180,18 +182,31 @@ def watch(
     every: float,
     as_json: bool,
     out: TextIO = sys.stdout,
+    outage: Outage | None = None,
 ) -> int:
     """Redraw the status every ``every`` seconds until Ctrl-C (JSON: one line per read).
 
-    A reader that goes away (``status --watch --json | head``) ends it quietly too.
+    While Redis is unreachable it retries (``outage``'s back-off and budget; the table says
+    so, JSON lines pause). A reader that goes away (``status --watch --json | head``) ends
+    it quietly too.
     """
+    outage = outage or Outage()
     # Python leaves SIGINT ignored when started from a background job; Ctrl-C and SIGTERM
     # must stop a watch whatever the parent did.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.default_int_handler)
     try:
         while True:
-            status = read()
+            try:
+                status = read()
+            except REDIS_DOWN as exc:
+                pause = outage.failed(exc, "reading the status")
+                if not as_json:
+                    out.write(f"{CLEAR}Redis unreachable ({outage.last_error}); retrying\n")
+                    out.flush()
+                time.sleep(pause)
+                continue
+            outage.recovered()
             if as_json:
                 out.write(json.dumps(status) + "\n")
             else:

@@ -1,9 +1,11 @@
 """An inference node's bookkeeping: load each new version once, then report it.
 
 :class:`Node` leases a version, verifies and reads it through a
-:class:`~weightcast.client.weights.WeightsClient`, records itself in ``{wc}:nodes`` and
-releases the lease. What the node does with the tensors (a transformers model, a vLLM engine)
-is the caller's business.
+:class:`~weightcast.client.weights.WeightsClient` and releases the lease; :meth:`Node.report`
+records in ``{wc}:nodes`` the version it serves. A version that must not be loaded (any
+:class:`WeightsError`: a bad path, manifest, config, header or digest) is logged and skipped;
+Redis errors are left to the caller, which retries (the version is then tried again). What
+the node does with the tensors (a transformers model, a vLLM engine) is the caller's business.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from typing import Any
 
 import torch
 
-from weightcast.client.weights import VersionGone, VersionInfo, WeightsClient, WeightsError
+from weightcast.client.versions import VersionInfo
+from weightcast.client.weights import WeightsClient
+from weightcast.contract.errors import VersionGone, WeightsError
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("node")
@@ -43,16 +47,20 @@ class Node:
         """The version this node serves (0: none yet)."""
         self.seen = 0
         """The newest version tried, loaded or refused: no need to try it again."""
-        self.reported_at = 0.0
+        self.reported_at: float | None = None
+        """When the version served was last reported (None: not yet)."""
 
     def report(self) -> None:
-        """Re-report the version served, so ``weightcast status`` sees the node is alive."""
-        if self.current and time.monotonic() - self.reported_at >= self.report_every:
+        """Report the version served when due (at once after a load, then every
+        ``report_every`` seconds, so ``weightcast status`` sees the node is alive)."""
+        due = self.reported_at is None or time.monotonic() - self.reported_at >= self.report_every
+        if self.current and due:
             self.client.report_loaded(self.current)
             self.reported_at = time.monotonic()
 
     def load(self, version: int) -> LoadedVersion | None:
-        """Load ``version`` and report it; None when it was evicted first or is refused."""
+        """Load ``version`` (call :meth:`report` next); None when it was evicted first or is
+        refused."""
         start = time.perf_counter()
         try:
             with self.client.lease(version) as info:
@@ -66,9 +74,8 @@ class Node:
             log.error("refusing version", version=version, reason=str(exc))
             self.seen = version
             return None
-        self.client.report_loaded(version)
         self.current = self.seen = version
-        self.reported_at = time.monotonic()
+        self.reported_at = None
         log.info(
             "loaded version",
             version=version,

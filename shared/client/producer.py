@@ -1,25 +1,27 @@
 """The rollout-producer side: push batches, validated with the trainer's own rules.
 
-:class:`BatchProducer` (and :class:`AsyncBatchProducer` for asyncio code) validates each batch
-with :mod:`weightcast.contract.codec`, the code the trainer decodes with, so a bad batch fails
-here with the reason the trainer would have dead-lettered it for. Back-pressure: before
-adding an entry it waits while the ``trainer`` group has ``max_pending`` or more entries not
-yet delivered, and raises :class:`BackPressureTimeout` if that lasts longer than ``timeout``.
-The producer never trims the stream, so no unacknowledged batch is ever lost to it.
+:class:`BatchProducer` validates each batch with :mod:`weightcast.contract.codec`, the code
+the trainer decodes with, so a bad batch fails here with the reason the trainer would have
+dead-lettered it for. Back-pressure: before adding an entry it waits while the ``trainer``
+group has ``max_pending`` or more entries not yet delivered, and raises
+:class:`BackPressureTimeout` if that lasts longer than ``timeout``. The producer never trims
+the stream, so no unacknowledged batch is ever lost to it. :class:`AsyncBatchProducer` runs
+the same producer's calls in worker threads, for asyncio code.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
-import redis.asyncio
 import torch
 
 from weightcast.contract.codec import BatchLimits, encode_batch
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.streams import ensure_group
 from weightcast.runtime.config import default_node_id
@@ -35,7 +37,7 @@ NO_LIMITS = BatchLimits()
 """Check everything but what only the trainer knows (vocab size, longest sequence)."""
 
 
-class BackPressureTimeout(TimeoutError):
+class BackPressureTimeout(WeightcastError, TimeoutError):
     """The trainer did not take batches fast enough for ``push`` to add one in time."""
 
 
@@ -53,8 +55,8 @@ def _trainer_group(groups: Sequence[Mapping[str, Any]]) -> tuple[int | None, str
     return None
 
 
-class _ProducerBase:
-    """What both variants share: settings, the connection, encoding, the timeout message.
+class BatchProducer:
+    """Pushes micro-batches onto ``{wc}:batches``; a bad batch raises ``InvalidBatch`` here.
 
     ``max_pending`` bounds the undelivered entries (0: no bound); ``limits`` are what the
     trainer accepts (vocab size, sequence length), checked when given.
@@ -79,14 +81,10 @@ class _ProducerBase:
         self.timeout = timeout
         self.limits = limits
         self.poll = poll
-        self.redis = self._connect(redis_url)
+        self.redis = redis.Redis.from_url(redis_url)
         self._count_after = self.redis.register_script(_COUNT_AFTER)
         self._group_ready = False
         """The ``trainer`` group exists (created at id 0 by the first push if not)."""
-
-    @staticmethod
-    def _connect(redis_url: str) -> Any:
-        raise NotImplementedError
 
     def encode(
         self, tensors: Mapping[str, torch.Tensor], policy_version: int, meta: Mapping[str, Any]
@@ -98,24 +96,6 @@ class _ProducerBase:
             {**meta, "policy_version": policy_version, "producer": self.name},
             self.limits,
         )
-
-    def timed_out(self, undelivered: int) -> BackPressureTimeout:
-        return BackPressureTimeout(
-            f"{undelivered} batches in {self.keys.batches} are still undelivered to the "
-            f"'{TRAINER_GROUP}' group after {self.timeout:.0f}s (max_pending={self.max_pending}). "
-            "Is a trainer running and reading this namespace? Start one, or raise max_pending "
-            "or the timeout."
-        )
-
-
-class BatchProducer(_ProducerBase):
-    """Pushes micro-batches onto ``{wc}:batches``; a bad batch raises ``InvalidBatch`` here."""
-
-    redis: redis.Redis
-
-    @staticmethod
-    def _connect(redis_url: str) -> redis.Redis:
-        return redis.Redis.from_url(redis_url)
 
     def latest_version(self) -> int:
         """The newest published version (0 before the first): tag batches sampled from it."""
@@ -136,24 +116,49 @@ class BatchProducer(_ProducerBase):
         """Whether a push would go through without waiting."""
         return not self.max_pending or self.undelivered() < self.max_pending
 
-    def wait_for_room(self) -> None:
-        """Block until fewer than ``max_pending`` entries are undelivered, or time out."""
+    def wait_for_room(self, stop: threading.Event | None = None) -> bool:
+        """Block until fewer than ``max_pending`` entries are undelivered (True), ``stop`` is
+        set (False), or time out with :class:`BackPressureTimeout`."""
         if not self.max_pending:
-            return
+            return True
         deadline = time.monotonic() + self.timeout
         pause = self.poll
+        stop = stop or threading.Event()
         while (undelivered := self.undelivered()) >= self.max_pending:
             if time.monotonic() >= deadline:
                 raise self.timed_out(undelivered)
-            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+            if stop.wait(min(pause, max(0.0, deadline - time.monotonic()))):
+                return False
             pause = min(pause * 2, _MAX_WAIT_STEP_S)
+        return True
 
     def push(self, tensors: Mapping[str, torch.Tensor], policy_version: int, **meta: Any) -> str:
         """Validate, wait for room, add; the stream entry id."""
+        entry = self.push_unless_stopped(tensors, policy_version, meta, None)
+        assert entry is not None
+        return entry
+
+    def push_unless_stopped(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        policy_version: int,
+        meta: Mapping[str, Any],
+        stop: threading.Event | None,
+    ) -> str | None:
+        """:meth:`push`, giving up (None, nothing added) if ``stop`` is set while it waits."""
         fields = self.encode(tensors, policy_version, meta)
         self._ensure_group()
-        self.wait_for_room()
+        if not self.wait_for_room(stop):
+            return None
         return self.redis.xadd(self.keys.batches, fields).decode()
+
+    def timed_out(self, undelivered: int) -> BackPressureTimeout:
+        return BackPressureTimeout(
+            f"{undelivered} batches in {self.keys.batches} are still undelivered to the "
+            f"'{TRAINER_GROUP}' group after {self.timeout:.0f}s (max_pending={self.max_pending}). "
+            "Is a trainer running and reading this namespace? Start one, or raise max_pending "
+            "or the timeout."
+        )
 
     def close(self) -> None:
         self.redis.close()
@@ -164,59 +169,40 @@ class BatchProducer(_ProducerBase):
             self._group_ready = True
 
 
-class AsyncBatchProducer(_ProducerBase):
-    """:class:`BatchProducer` for asyncio code (redis.asyncio); waiting never blocks the loop."""
+class AsyncBatchProducer:
+    """:class:`BatchProducer` for asyncio code (it takes the same arguments): the same
+    producer, each call in a worker thread, so validating, waiting for room and pushing
+    never block the event loop. Cancelling a push that is waiting for room adds nothing."""
 
-    redis: redis.asyncio.Redis
+    def __init__(self, redis_url: str, namespace: str = "wc", **options: Any) -> None:
+        self.producer = BatchProducer(redis_url, namespace, **options)
 
-    @staticmethod
-    def _connect(redis_url: str) -> redis.asyncio.Redis:
-        return redis.asyncio.Redis.from_url(redis_url)
+    @property
+    def timeout(self) -> float:
+        return self.producer.timeout
+
+    @timeout.setter
+    def timeout(self, seconds: float) -> None:
+        self.producer.timeout = seconds
 
     async def latest_version(self) -> int:
-        return int(await self.redis.get(self.keys.latest) or 0)
+        return await asyncio.to_thread(self.producer.latest_version)
 
     async def undelivered(self) -> int:
-        await self._ensure_group()
-        found = _trainer_group(await self.redis.xinfo_groups(self.keys.batches))
-        if found is None:
-            return await self.redis.xlen(self.keys.batches)
-        lag, last = found
-        if lag is not None:
-            return lag
-        return int(
-            await self._count_after(keys=[self.keys.batches], args=[last, self.max_pending + 1])
-        )
-
-    async def wait_for_room(self) -> None:
-        if not self.max_pending:
-            return
-        deadline = time.monotonic() + self.timeout
-        pause = self.poll
-        while (undelivered := await self.undelivered()) >= self.max_pending:
-            if time.monotonic() >= deadline:
-                raise self.timed_out(undelivered)
-            await asyncio.sleep(min(pause, max(0.0, deadline - time.monotonic())))
-            pause = min(pause * 2, _MAX_WAIT_STEP_S)
+        return await asyncio.to_thread(self.producer.undelivered)
 
     async def push(
         self, tensors: Mapping[str, torch.Tensor], policy_version: int, **meta: Any
     ) -> str:
-        fields = self.encode(tensors, policy_version, meta)
-        await self._ensure_group()
-        await self.wait_for_room()
-        return (await self.redis.xadd(self.keys.batches, fields)).decode()
+        stop = threading.Event()
+        try:
+            entry = await asyncio.to_thread(
+                self.producer.push_unless_stopped, tensors, policy_version, meta, stop
+            )
+        finally:
+            stop.set()
+        assert entry is not None  # only a cancelled push stops, and then nothing returns
+        return entry
 
     async def close(self) -> None:
-        await self.redis.aclose()
-
-    async def _ensure_group(self) -> None:
-        """``weightcast.contract.streams.ensure_group`` on the asyncio client."""
-        if self._group_ready:
-            return
-        try:
-            await self.redis.xgroup_create(self.keys.batches, TRAINER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._group_ready = True
+        await asyncio.to_thread(self.producer.close)

@@ -1,13 +1,12 @@
 """Load a published version into a running vLLM engine (``--worker-extension-cls``).
 
-vLLM's stock ``load_weights`` cannot read the vllm-fused names (it matches ``v_proj`` inside
-``qkv_proj``), so this module copies each fused block straight into the rank's fused
-parameter: the published ``qkv_proj`` / ``gate_up_proj`` block of rank ``r`` is, byte for
-byte, what vLLM's ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` hold on rank ``r``
-(kv heads replicated when tp exceeds them). Every other tensor goes, whole, through the
-parameter's own ``weight_loader``, which takes the rank's part itself (vocab-parallel rows
-with their padding, row-parallel columns, replicated norms). Versions with per-rank files
-are already sliced the way those loaders slice; their tensors are copied in directly.
+Each worker reads and verifies only its own tensor-parallel rank's part of every tensor
+(:meth:`WeightsClient.rank_tensors <weightcast.client.weights.WeightsClient.rank_tensors>`)
+and copies it into the rank's parameter: the published ``qkv_proj`` / ``gate_up_proj`` block
+of rank ``r`` is, byte for byte, what vLLM's ``QKVParallelLinear`` /
+``MergedColumnParallelLinear`` hold on rank ``r`` (kv heads replicated when tp exceeds
+them); vocab-parallel rows go to the top of the padded parameter (padding rows zeroed),
+row-parallel columns and replicated tensors are copied as they are.
 
 Use it by starting vLLM with
 ``--worker-extension-cls weightcast.client.vllm.WeightcastWorkerExtension`` and calling
@@ -18,34 +17,22 @@ vLLM is imported lazily: nothing here needs it until it runs inside a vLLM worke
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from weightcast.client.weights import FUSED_KINDS, VersionInfo, WeightsClient, WeightsError
+from weightcast.client.weights import VersionInfo, WeightsClient
+from weightcast.contract.errors import WeightsError
 from weightcast.runtime.config import default_node_id
+
+FUSED_KINDS = ("qkv", "gate_up")
+"""Shard kinds of the fused tensors: laid out for one tp, each rank's block contiguous."""
 
 
 class LoaderError(ValueError):
     """A version that does not fit the engine's parameters; nothing after it was loaded."""
-
-
-def _copy_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """vLLM's ``default_weight_loader`` when vLLM is not importable: a checked copy."""
-    if param.shape != loaded.shape:
-        raise LoaderError(f"shape {list(loaded.shape)} does not fit parameter {list(param.shape)}")
-    param.data.copy_(loaded)
-
-
-def _default_weight_loader() -> Callable[[torch.Tensor, torch.Tensor], None]:
-    try:
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-    except ImportError:
-        return _copy_weight_loader
-    return default_weight_loader
 
 
 def copy_rank_part(param: torch.Tensor, part: torch.Tensor) -> None:
@@ -67,20 +54,18 @@ def load_version(
 ) -> list[str]:
     """Load ``version`` into ``model`` (one tensor-parallel rank of a vLLM model).
 
-    Fused blocks are copied straight into ``qkv_proj`` / ``gate_up_proj``; other tensors go
-    whole through ``param.weight_loader`` (per-rank files: copied, already sliced). Returns
-    the parameter names loaded; raises :class:`LoaderError` when the version and the engine
-    do not match (a missing parameter, a shape, a tp the version was not fused for).
-    ``version`` may be the :class:`VersionInfo` a lease returned (no registry read then).
+    Every tensor's rank part is read and verified before any parameter is touched; fused
+    blocks must fit their parameter exactly, other parts are copied with
+    :func:`copy_rank_part`. Returns the parameter names loaded; raises :class:`LoaderError`
+    when the version and the engine do not match (a missing parameter, a shape), and
+    ``LayoutError`` for a tp the version was not fused for. ``version`` may be the
+    :class:`VersionInfo` a lease returned (no registry read then).
     """
     info = version if isinstance(version, VersionInfo) else client.info(version)
     params = dict(model.named_parameters())
-    manifest = client.manifest(info)
-    shards = {entry.name: entry.shard for entry in manifest.tensors}
-    per_rank = manifest.per_rank_files
-    fallback = _default_weight_loader()
-    loaded: list[str] = []
-    for name, tensor in client.tensors_for_rank(info, tp_rank, tp_size, whole_unfused=not per_rank):
+    shards = {entry.name: entry.shard for entry in client.manifest(info).tensors}
+    parts = client.rank_tensors(info, tp_rank, tp_size)
+    for name, tensor in parts.items():
         param = params.get(name)
         if param is None:
             raise LoaderError(f"the engine has no parameter {name!r} (version {info.version})")
@@ -91,17 +76,14 @@ def load_version(
                     f"parameter {list(param.shape)}; was the engine started with tp={tp_size}?"
                 )
             param.data.copy_(tensor)
-        elif per_rank:
-            copy_rank_part(param, tensor)
         else:
-            getattr(param, "weight_loader", fallback)(param, tensor)
-        loaded.append(name)
-    missing = sorted(set(params) - set(loaded))
+            copy_rank_part(param, tensor)
+    missing = sorted(set(params) - set(parts))
     if missing:
         raise LoaderError(
             f"version {info.version} has no tensor for the engine's parameters {missing}"
         )
-    return loaded
+    return list(parts)
 
 
 class WeightcastWorkerExtension:
@@ -126,20 +108,20 @@ class WeightcastWorkerExtension:
         redis_url: str,
         namespace: str,
         version: int,
-        weights_root: str | None = None,
+        weights_root: str,
         node_id: str = "",
     ) -> int:
         """Lease, verify and load ``version`` into this worker's rank; the tensors loaded."""
         tp_rank, tp_size = self.weightcast_tp()
         name = node_id or default_node_id()
         client = WeightsClient(
-            redis_url,
-            namespace,
-            f"{name}-tp{tp_rank}",
-            None if weights_root is None else Path(weights_root),
+            redis_url, weights_root, namespace=namespace, node_id=f"{name}-tp{tp_rank}"
         )
-        with client.lease(version) as info:
-            return len(load_version(self.model_runner.model, client, info, tp_rank, tp_size))
+        try:
+            with client.lease(version) as info:
+                return len(load_version(self.model_runner.model, client, info, tp_rank, tp_size))
+        finally:
+            client.close()
 
 
 def update_engine(
@@ -148,7 +130,7 @@ def update_engine(
     namespace: str,
     version: int,
     node_id: str,
-    weights_root: str | None = None,
+    weights_root: str,
 ) -> Mapping[str, Any]:
     """Load ``version`` on every worker of ``llm`` (a ``vllm.LLM``), reset its prefix cache
     and report the node as running it in ``{wc}:nodes``."""
@@ -158,5 +140,9 @@ def update_engine(
     if len(set(counts)) != 1:
         raise WeightsError(f"workers loaded different numbers of tensors: {counts}")
     llm.reset_prefix_cache()
-    WeightsClient(redis_url, namespace, node_id, weights_root).report_loaded(version)
+    client = WeightsClient(redis_url, weights_root, namespace=namespace, node_id=node_id)
+    try:
+        client.report_loaded(version)
+    finally:
+        client.close()
     return {"version": version, "workers": len(counts), "tensors": counts[0]}

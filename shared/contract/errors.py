@@ -40,3 +40,7 @@ class LayoutError(WeightcastError, ValueError):
 
 class RedisUnavailable(WeightcastError, ConnectionError):
     """Redis did not answer for longer than the process was told to wait for it."""
+
+
+class RedisFull(WeightcastError):
+    """Redis refuses writes: its memory is at ``maxmemory`` with the ``noeviction`` policy."""

@@ -18,6 +18,7 @@ The math is in pure functions (:func:`toy_reward`, :func:`group_advantages`,
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,9 +28,11 @@ import torch
 
 from weightcast.client.node import Node
 from weightcast.client.producer import BatchProducer
+from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.layout import ModelShape, unfuse
 from weightcast.runtime.config import Config, RolloutConfig
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.retry import Outage
 
 log = get_logger("rollout")
 
@@ -83,7 +86,7 @@ class ModelPolicy:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         tied = ["lm_head.weight"] if hf_config.tie_word_embeddings else []
         if missing != tied or unexpected:
-            raise ValueError(
+            raise WeightsError(
                 f"version {version} does not fit Qwen3ForCausalLM: missing {missing}, "
                 f"unexpected {unexpected}"
             )
@@ -178,7 +181,8 @@ class RolloutLoop:
     """Keeps the trainer fed: when there is room in the queue, sample from the newest policy.
 
     ``refresh`` returns a newer policy when one has been published (or None), ``has_room``
-    says whether the queue takes another batch, ``push`` sends one.
+    says whether the queue takes another batch, ``push`` sends one. A batch whose push
+    fails (Redis unreachable or full) is kept and pushed by a later step, not sampled again.
     """
 
     def __init__(
@@ -195,6 +199,8 @@ class RolloutLoop:
         self.policy: Policy = UniformPolicy(cfg.vocab_size)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.batches = 0
+        self.unpushed: tuple[Rollout, int] | None = None
+        """A sampled batch and the version it came from, not pushed yet."""
 
     def step(self) -> bool:
         """Push one batch if the queue has room; False when it had none (caller waits)."""
@@ -204,21 +210,31 @@ class RolloutLoop:
         if not self.has_room():
             return False
         start = time.perf_counter()
-        rollout = sample_rollout(self.policy, self.cfg, self.generator)
-        entry = self.push(rollout, self.policy.version)
+        if self.unpushed is None:
+            self.unpushed = (
+                sample_rollout(self.policy, self.cfg, self.generator),
+                self.policy.version,
+            )
+        rollout, version = self.unpushed
+        entry = self.push(rollout, version)
+        self.unpushed = None
         self.batches += 1
         log.info(
             "pushed rollout batch",
             entry=entry,
-            policy_version=self.policy.version,
+            policy_version=version,
             reward=round(rollout.reward, 4),
             seconds=round(time.perf_counter() - start, 3),
         )
         return True
 
 
-def run_rollout_node(config: Config, node: Node, stopping: Callable[[], bool]) -> int:
-    """Load each new version and keep the trainer fed with rollouts from the newest one."""
+def run_rollout_node(config: Config, node: Node, stop: threading.Event, outage: Outage) -> int:
+    """Load each new version and keep the trainer fed with rollouts from the newest one.
+
+    Redis outages and a full Redis (the trainer is not consuming) are waited out through
+    ``outage``: the batch in hand is kept and pushed once Redis takes it.
+    """
     cfg = config.rollout
     producer = BatchProducer(
         config.common.redis_url,
@@ -235,9 +251,13 @@ def run_rollout_node(config: Config, node: Node, stopping: Callable[[], bool]) -
         loaded = node.load(latest)
         if loaded is None:
             return None
-        return ModelPolicy.from_published(
-            loaded.version, loaded.config, loaded.tensors, loaded.info.tp
-        )
+        try:
+            return ModelPolicy.from_published(
+                loaded.version, loaded.config, loaded.tensors, loaded.info.tp
+            )
+        except (LayoutError, WeightsError) as exc:
+            log.error("refusing version: it does not fit the rollout model", reason=str(exc))
+            return None
 
     def push(rollout: Rollout, version: int) -> str:
         return producer.push(rollout.tensors, version, reward=rollout.reward)
@@ -245,13 +265,21 @@ def run_rollout_node(config: Config, node: Node, stopping: Callable[[], bool]) -
     loop = RolloutLoop(cfg, refresh, producer.has_room, push)
     log.info("producing rollouts", max_pending=cfg.max_pending, group_size=cfg.group_size)
     idle_since = time.monotonic()
-    while not stopping():
+    progressed = False
+
+    def step() -> None:
+        nonlocal progressed
         node.report()
-        if loop.step():
+        progressed = loop.step()
+
+    while not stop.is_set():
+        if not outage.attempt(step, "producing rollouts", stop.wait):
+            idle_since = time.monotonic()  # waiting for Redis is not the trainer idling
+        elif progressed:
             idle_since = time.monotonic()
-            continue
-        if time.monotonic() - idle_since > cfg.timeout:
+        elif time.monotonic() - idle_since > cfg.timeout:
             raise producer.timed_out(producer.undelivered())
-        time.sleep(_IDLE_S)
+        else:
+            stop.wait(_IDLE_S)
     producer.close()
     return 0

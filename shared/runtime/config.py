@@ -385,6 +385,13 @@ class FollowConfig:
         "also be the rollout producer: sample from the loaded version and push scored batches",
         flag="--rollout",
     )
+    metrics_port: int = setting(
+        0,
+        "serve /healthz on this port (503 while Redis is unreachable or full); 0 keeps it off",
+        flag="--metrics-port",
+        ge=0,
+        le=65535,
+    )
 
 
 @dataclass

@@ -6,6 +6,11 @@ after 0.5 s, 1 s, 2 s ... (at most ``cap`` seconds apart) until ``budget`` secon
 since the outage began, then :class:`~weightcast.contract.errors.RedisUnavailable` says so.
 :class:`Outage` remembers when the current outage began, so ``/healthz`` can report 503 while
 it lasts and the budget spans every call made during it.
+
+A full Redis (``maxmemory`` reached with the ``noeviction`` policy) answers, but refuses
+writes with an ``OOM`` error (:func:`redis_full`). Whoever can wait for room treats it as an
+outage too (it ends when the trainer trims the stream or an operator frees memory); the
+budget then ends in :class:`~weightcast.contract.errors.RedisFull`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from typing import TypeVar
 
 import redis
 
-from weightcast.contract.errors import RedisUnavailable
+from weightcast.contract.errors import RedisFull, RedisUnavailable
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("retry")
@@ -27,6 +32,24 @@ T = TypeVar("T")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 """What a Redis restart looks like to a client: refused or dropped connections, timeouts,
 and ``LOADING`` while the restarted server replays its append-only file."""
+
+
+def redis_full(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis refusing a write because it is full (``OOM command not
+    allowed when used memory > 'maxmemory'``)."""
+    if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        return True
+    # Inside a Lua script (a lease) the refusal comes back as the script's error text.
+    return isinstance(exc, redis.ResponseError) and "OOM command not allowed" in str(exc)
+
+
+def full_error(exc: BaseException, what: str) -> RedisFull:
+    """The one-line error for a write a full Redis refused."""
+    return RedisFull(
+        f"Redis is full and refuses writes while {what} ({exc}); it reached maxmemory with "
+        "the noeviction policy: check that a trainer is consuming (and trimming) the batch "
+        "stream, or raise Redis' maxmemory"
+    )
 
 
 @dataclass
@@ -39,10 +62,22 @@ class Outage:
     since: float | None = None
     attempts: int = 0
     last_error: str = ""
+    full: bool = False
+    """The current outage is a full Redis refusing writes, not an unreachable one."""
 
     @property
     def ongoing(self) -> bool:
         return self.since is not None
+
+    def detail(self) -> dict[str, object]:
+        """Redis' state for ``/healthz``: ``ok``, or how it fails and for how long."""
+        if self.since is None:
+            return {"redis": "ok"}
+        return {
+            "redis": "full" if self.full else "unreachable",
+            "for_s": round(time.monotonic() - self.since, 1),
+            "error": self.last_error,
+        }
 
     def failed(self, exc: BaseException, what: str) -> float:
         """Record a failed call; the pause before the next try. Raises when out of budget."""
@@ -51,7 +86,10 @@ class Outage:
             self.since = now
         self.attempts += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
+        self.full = redis_full(exc)
         waited = now - self.since
+        if waited >= self.budget and self.full:
+            raise full_error(exc, f"{what}, for {waited:.0f}s") from exc
         if waited >= self.budget:
             raise RedisUnavailable(
                 f"Redis has not answered for {waited:.0f}s while {what} ({self.last_error}); "
@@ -59,7 +97,7 @@ class Outage:
             ) from exc
         pause = min(self.cap, self.first * 2 ** (self.attempts - 1), self.budget - waited)
         log.warning(
-            "Redis unreachable; retrying",
+            "Redis is full; retrying" if self.full else "Redis unreachable; retrying",
             what=what,
             error=self.last_error,
             retry_in=round(pause, 2),
@@ -74,6 +112,22 @@ class Outage:
         self.since = None
         self.attempts = 0
         self.last_error = ""
+        self.full = False
+
+    def attempt(self, fn: Callable[[], object], what: str, wait: Callable[[float], object]) -> bool:
+        """Run ``fn`` once: True when it went through. When Redis is unreachable or full the
+        failure is recorded, ``wait`` is handed the pause before the next try and False is
+        returned; raises once the budget is spent. For loops that must keep control between
+        tries (a stop request, a node's other duties)."""
+        try:
+            fn()
+        except Exception as exc:
+            if not (isinstance(exc, REDIS_DOWN) or redis_full(exc)):
+                raise
+            wait(self.failed(exc, what))
+            return False
+        self.recovered()
+        return True
 
     def call(
         self, fn: Callable[[], T], what: str, sleep: Callable[[float], object] = time.sleep

@@ -135,3 +135,24 @@ def test_async_producer_waits_without_blocking_the_event_loop(
     first, second, consumed, pushed = asyncio.run(scenario())
     assert consumed == first and pushed > second
     assert client.xlen(keys.batches) == 3
+
+
+def test_a_cancelled_async_push_adds_nothing(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys
+) -> None:
+    async def scenario() -> None:
+        producer = AsyncBatchProducer(
+            redis_server.url, keys.namespace, max_pending=1, timeout=60, poll=0.01
+        )
+        await producer.push(good_batch(0), policy_version=0)
+        waiting = asyncio.create_task(producer.push(good_batch(1), policy_version=0))
+        await asyncio.sleep(0.3)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        consume_one(trainer_source(client, keys))  # room now: a push still running would add
+        await asyncio.sleep(1.0)
+        await producer.close()
+
+    asyncio.run(scenario())
+    assert client.xlen(keys.batches) == 1

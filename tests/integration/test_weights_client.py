@@ -52,7 +52,7 @@ def test_a_leased_version_outlives_newer_versions_until_released(deployment: Dep
             time.sleep(1.5)  # held 4.5 s in all: alive only because it is renewed
         # Three newer versions and several eviction passes later v1 is still whole.
         assert 1 in deployment.registry.live_versions()
-        manifest = reader.open(info)
+        manifest = reader.verify(info)
         assert len(reader.load(info)) == len(manifest.tensors)
     assert deployment.registry.live_versions() == [1, 4, 5]
     deployment.evictor.run()
@@ -81,8 +81,8 @@ def test_the_lease_of_a_killed_reader_expires(
         import time
         from weightcast.client.weights import WeightsClient
         client = WeightsClient(
-            {redis_server.url!r}, {keys.namespace!r},
-            "doomed-node", {str(deployment.root / "weights")!r}, lease_seconds=5,
+            {redis_server.url!r}, {str(deployment.root / "weights")!r},
+            namespace={keys.namespace!r}, node_id="doomed-node", lease_seconds=5,
         )
         with client.lease(1):
             print("leased", flush=True)
@@ -111,7 +111,7 @@ def test_a_path_outside_the_weights_root_is_refused(deployment: Deployment, tmp_
     deployment.client.hset(deployment.keys.version(1), "path", str(tmp_path / "elsewhere"))
     reader = deployment.reader()
     with reader.lease(1) as info, pytest.raises(WeightsError, match="outside the weights root"):
-        reader.open(info)
+        reader.verify(info)
 
 
 def test_a_corrupted_file_fails_verification_naming_the_file(deployment: Deployment) -> None:
@@ -127,7 +127,7 @@ def test_a_corrupted_file_fails_verification_naming_the_file(deployment: Deploym
             WeightsError, match=r"model\.safetensors: bytes 0\.\.\d+ do not match the manifest"
         ),
     ):
-        reader.open(info)
+        reader.verify(info)
 
 
 def test_wait_for_newer_wakes_on_the_event_and_survives_a_lost_one(
@@ -151,8 +151,8 @@ def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
     reader = deployment.reader()
     assert reader.latest() == 1
     with reader.lease(1) as info:
-        manifest = reader.open(info)
-        verify_files(info.path, manifest)
+        manifest = reader.verify(info)
+        verify_files(reader.files.path(info), manifest)
         tensors = reader.load(info)
     assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
     reader.report_loaded(1)
@@ -180,7 +180,7 @@ def vllm_rank(name: str, state: dict[str, torch.Tensor], tp: int, rank: int) -> 
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_tensors_for_rank_give_vllms_rank_tensors_from_fused_and_per_rank_files(
+def test_rank_tensors_are_vllms_rank_tensors_from_fused_and_per_rank_files(
     client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer, tp: int
 ) -> None:
     deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=tp)
@@ -189,8 +189,8 @@ def test_tensors_for_rank_give_vllms_rank_tensors_from_fused_and_per_rank_files(
     state = hf_state(SHAPE, torch.bfloat16)  # what write_snapshot published
     reader = deployment.reader()
     for rank in range(tp):
-        from_fused = dict(reader.tensors_for_rank(fused, rank, tp))
-        from_split = dict(reader.tensors_for_rank(per_rank, rank, tp))
+        from_fused = reader.rank_tensors(fused, rank, tp)
+        from_split = reader.rank_tensors(per_rank, rank, tp)
         assert from_fused.keys() == from_split.keys() and len(from_fused) > 10
         for name, tensor in from_fused.items():
             expected = vllm_rank(name, state, tp, rank)
@@ -198,9 +198,9 @@ def test_tensors_for_rank_give_vllms_rank_tensors_from_fused_and_per_rank_files(
             assert torch.equal(from_split[name], expected), (name, rank)
     if tp > 1:
         with pytest.raises(LayoutError, match=f"fused for tp={tp} cannot serve tp=1"):
-            next(reader.tensors_for_rank(fused, 0, 1))
+            reader.rank_tensors(fused, 0, 1)
         with pytest.raises(LayoutError, match=f"per-rank files for tp={tp}"):
-            next(reader.tensors_for_rank(per_rank, 0, 2 * tp))
+            reader.rank_tensors(per_rank, 0, 2 * tp)
 
 
 def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
@@ -213,11 +213,11 @@ def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
     data[-1] ^= 0xFF
     target.write_bytes(bytes(data))
     reader = deployment.reader()
-    assert len(dict(reader.tensors_for_rank(per_rank, 0, 2))) > 10  # rank 0 never touches it
+    assert len(reader.rank_tensors(per_rank, 0, 2)) > 10  # rank 0 never touches it
     with pytest.raises(
         WeightsError, match=r"model-rank-01-of-02\.safetensors: bytes .* do not match"
     ):
-        next(reader.tensors_for_rank(per_rank, 1, 2))
+        reader.rank_tensors(per_rank, 1, 2)
     with pytest.raises(WeightsError, match="per-rank files"):
         reader.load(per_rank)
 
@@ -256,9 +256,9 @@ def test_the_async_client_leases_waits_and_reads_without_blocking_the_loop(
     equals what the thread-based client reads."""
     reader = AsyncWeightsClient(
         deployment.redis_url,
-        deployment.keys.namespace,
-        "node-async",
         deployment.root / "weights",
+        namespace=deployment.keys.namespace,
+        node_id="node-async",
         lease_seconds=2.0,
     )
 
@@ -275,10 +275,10 @@ def test_the_async_client_leases_waits_and_reads_without_blocking_the_loop(
                 await asyncio.to_thread(deployment.publish)
                 await asyncio.sleep(1.0)
             assert 1 in deployment.registry.live_versions()
-            manifest = await reader.open(info)
+            manifest = await reader.verify(info)
             tensors = await reader.load(info)
             assert (await reader.config(info))["num_attention_heads"] == SHAPE.num_heads
-            rank_tensors = dict(await reader.tensors_for_rank(1, 0, 1))
+            rank_tensors = await reader.rank_tensors(1, 0, 1)
         assert deployment.client.zcard(deployment.keys.leases(1)) == 0  # released on exit
         deployment.evictor.run()
         assert deployment.registry.live_versions() == [4, 5]

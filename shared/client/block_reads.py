@@ -1,0 +1,334 @@
+"""Reading byte ranges of one file in whole blocks, each verified before its bytes are used.
+
+The caller says which parts of which tensors it wants (:class:`Rect`: contiguous rows, or a
+column block of a row-major matrix). The blocks that cover them are read in windows of at
+most :data:`WINDOW_BYTES` (runs of consecutive blocks), a thread reading the next windows
+while the caller's thread verifies the current one:
+
+* bytes of a contiguous part go straight into the returned tensor (one ``preadv`` scattering
+  the window over its destinations), and are hashed there;
+* every other byte of the window (a column block's rows, other ranks' bytes sharing a block,
+  the header) goes to a scratch buffer; column blocks are copied out of it once verified.
+
+So every returned byte is one that was hashed, and nothing is read twice through a mapping.
+A :class:`BlockCheck` verifies format 2's per-block digests (skipping blocks the node's
+record lists), a :class:`WholeFileCheck` format 1's whole-file SHA-256 (the whole file is
+read, in order, unless a sibling already checked it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import hashlib
+import queue
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightcast.client.confine import OpenFile
+from weightcast.client.safetensors_header import (
+    PREFIX_BYTES,
+    TensorSpan,
+    header_bytes,
+    parse_header,
+)
+from weightcast.client.verified import Verified
+from weightcast.contract.errors import WeightsError
+from weightcast.contract.manifest import BLOCK_BYTES, FileEntry, new_hasher
+
+WINDOW_BYTES = 64 * 1024 * 1024
+"""Bytes read per window (whole blocks; at least one block)."""
+READ_AHEAD = 2
+"""Windows read ahead of the one being verified."""
+WHOLE_FILE_GRID = BLOCK_BYTES
+"""Read granularity in a format-1 file (whose one SHA-256 was already checked)."""
+
+
+@dataclass(frozen=True)
+class Rect:
+    """Bytes of a tensor part in a file: ``rows`` runs of ``width`` bytes, ``stride`` apart,
+    from ``offset``. A contiguous range is one row."""
+
+    offset: int
+    rows: int
+    stride: int
+    width: int
+
+    @property
+    def extent(self) -> tuple[int, int]:
+        """The file range from the first byte to the last: what must be read."""
+        if not self.rows or not self.width:
+            return (self.offset, self.offset)
+        return (self.offset, self.offset + (self.rows - 1) * self.stride + self.width)
+
+
+@dataclass(frozen=True)
+class Window:
+    """File bytes ``[start, stop)`` as read: ``pieces`` (file offset, where the bytes went)
+    cover it in order; the bytes that went to no tensor are in ``scratch`` at their offset
+    from ``start``."""
+
+    start: int
+    stop: int
+    pieces: list[tuple[int, memoryview]]
+    scratch: memoryview
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes, writable, for reading straight into it (keep the
+    tensor alive while the view is used)."""
+    if not tensor.numel():
+        return memoryview(bytearray())
+    array = (ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())
+    return memoryview(array).cast("B")
+
+
+def copy_rect(rect: Rect, start: int, window: memoryview, out: torch.Tensor) -> None:
+    """Copy the bytes of ``rect`` that lie in ``window`` (file bytes from ``start``) to their
+    place in ``out`` (the part's bytes as a flat uint8 tensor, row after row)."""
+    stop = start + len(window)
+    first, last = rect.extent
+    if first >= stop or last <= start or not rect.width:
+        return
+    source = torch.frombuffer(window, dtype=torch.uint8)
+    rows = out.view(rect.rows, rect.width)
+    stride = rect.stride or rect.width
+    lo = max(0, (start - rect.offset - rect.width) // stride + 1)  # first row reaching in
+    hi = min(rect.rows, (stop - 1 - rect.offset) // stride + 1)  # past the last row starting in
+    full_lo = max(lo, -(-(start - rect.offset) // stride))
+    full_hi = min(hi, (stop - rect.offset - rect.width) // stride + 1)
+    if full_lo < full_hi:
+        view = source.as_strided(
+            (full_hi - full_lo, rect.width), (stride, 1), rect.offset + full_lo * stride - start
+        )
+        rows[full_lo:full_hi].copy_(view)
+    for row in (*range(lo, min(full_lo, hi)), *range(max(full_hi, full_lo, lo), hi)):
+        row_start = rect.offset + row * stride
+        a, b = max(row_start, start), min(row_start + rect.width, stop)
+        if a < b:
+            rows[row, a - row_start : b - row_start].copy_(source[a - start : b - start])
+
+
+class Check:
+    """Verification of one file: which blocks to read, and hashing them as they arrive."""
+
+    def __init__(self, entry: FileEntry, known: Verified, label: str, block_bytes: int) -> None:
+        self.entry = entry
+        self.known = known
+        self.label = label
+        self.block_bytes = block_bytes
+        self.block_count = -(-entry.bytes // block_bytes)
+        self.bytes_read = 0
+        self.hashed = 0
+        self.trusted = 0
+        self.verified = Verified()
+
+    def read(
+        self, f: OpenFile, blocks: Iterable[int], direct: Sequence[tuple[int, memoryview]] = ()
+    ) -> Iterator[Window]:
+        """The given blocks, window by window, each verified before the caller sees it.
+        ``direct`` (file offset, destination), sorted and disjoint: bytes to read straight
+        into their destination (a tensor) rather than into the window's scratch."""
+        for window in _read_windows(f, self.windows(blocks), direct):
+            self.bytes_read += window.stop - window.start
+            self.verify(window)
+            yield window
+
+    def needed(self, ranges: Iterable[tuple[int, int]]) -> set[int]:
+        """The blocks that hold any byte of ``ranges``."""
+        blocks: set[int] = set()
+        for start, stop in ranges:
+            if stop > start:
+                blocks.update(range(start // self.block_bytes, (stop - 1) // self.block_bytes + 1))
+        return blocks
+
+    def windows(self, blocks: Iterable[int]) -> list[tuple[int, int]]:
+        """Runs of consecutive blocks, cut into windows of at most WINDOW_BYTES (one block
+        at least)."""
+        per_window = max(1, WINDOW_BYTES // self.block_bytes)
+        windows: list[tuple[int, int]] = []
+        run: list[int] = []
+        for index in sorted(blocks):
+            if run and (index != run[-1] + 1 or len(run) == per_window):
+                windows.append(self._span(run))
+                run = []
+            run.append(index)
+        if run:
+            windows.append(self._span(run))
+        return windows
+
+    def _span(self, run: list[int]) -> tuple[int, int]:
+        return run[0] * self.block_bytes, min((run[-1] + 1) * self.block_bytes, self.entry.bytes)
+
+    def verify(self, window: Window) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Called once every window was read."""
+
+
+class BlockCheck(Check):
+    """Format 2: each block's digest, checked as it is read, unless already verified."""
+
+    def __init__(self, entry: FileEntry, known: Verified, label: str) -> None:
+        assert entry.blocks is not None
+        super().__init__(entry, known, label, entry.blocks.block_bytes)
+        self._empty = new_hasher(entry.blocks.algorithm)
+        self._done: set[int] = set()
+
+    def verify(self, window: Window) -> None:
+        assert self.entry.blocks is not None
+        pieces = window.pieces
+        at = 0  # the first piece that may hold the block's bytes
+        for index in range(window.start // self.block_bytes, -(-window.stop // self.block_bytes)):
+            start, stop = self.entry.blocks.span(index, self.entry.bytes)
+            while pieces[at][0] + len(pieces[at][1]) <= start:
+                at += 1
+            if index in self._done:
+                continue
+            self._done.add(index)
+            if index in self.known.blocks:
+                self.trusted += 1
+                continue
+            hasher = self._empty.copy()
+            for offset, data in pieces[at:]:
+                if offset >= stop:
+                    break
+                hasher.update(data[max(start - offset, 0) : stop - offset])
+            if hasher.hexdigest() != self.entry.blocks.digests[index]:
+                raise WeightsError(
+                    f"{self.label}: bytes {start}..{stop} do not match the manifest's "
+                    f"{self.entry.blocks.algorithm} digest (the file is corrupt or was changed)"
+                )
+            self.hashed += 1
+        self.verified = Verified(frozenset(self._done - self.known.blocks))
+
+
+class WholeFileCheck(Check):
+    """Format 1: one SHA-256 of the whole file. Unless a sibling checked it already, every
+    block is read, in order, and hashed; the result is known only at the end."""
+
+    def __init__(self, entry: FileEntry, known: Verified, label: str) -> None:
+        super().__init__(entry, known, label, WHOLE_FILE_GRID)
+        self._digest = None if known.whole else hashlib.sha256()
+        self._hashed_to = 0
+
+    def needed(self, ranges: Iterable[tuple[int, int]]) -> set[int]:
+        if self._digest is None:
+            return super().needed(ranges)
+        return set(range(self.block_count))
+
+    def verify(self, window: Window) -> None:
+        count = -(-(window.stop - window.start) // self.block_bytes)
+        if self._digest is None:
+            self.trusted += count
+        elif window.start == self._hashed_to:  # every block, in order (see needed)
+            for _, data in window.pieces:
+                self._digest.update(data)
+            self._hashed_to = window.stop
+            self.hashed += count
+
+    def finish(self) -> None:
+        if self._digest is None:
+            self.verified = self.known
+            return
+        if self._hashed_to != self.entry.bytes or self._digest.hexdigest() != self.entry.sha256:
+            raise WeightsError(f"{self.label}: sha256 does not match the manifest")
+        self.verified = Verified(whole=True)
+
+
+def checker(entry: FileEntry, known: Verified, label: str) -> Check:
+    """The check for ``entry``'s digests: per block (format 2) or whole file (format 1)."""
+    if entry.blocks is None:
+        return WholeFileCheck(entry, known, label)
+    return BlockCheck(entry, known, label)
+
+
+def read_header(f: OpenFile, check: Check) -> dict[str, TensorSpan]:
+    """The file's tensors from its header. With block digests the header's blocks are
+    verified before it is parsed; a format-1 file's header can only be verified with the
+    whole file, so it is parsed first (defensively) and verified with the rest."""
+    head = bytearray()
+    _extend_head(f, check, head, min(f.size, PREFIX_BYTES))
+    stop = PREFIX_BYTES + header_bytes(bytes(head[:PREFIX_BYTES]), f.size, f.label)
+    _extend_head(f, check, head, stop)
+    return parse_header(bytes(head[PREFIX_BYTES:stop]), f.size, f.label)
+
+
+def _extend_head(f: OpenFile, check: Check, head: bytearray, stop: int) -> None:
+    """Extend ``head``, the file's first bytes, to at least ``stop`` bytes (whole verified
+    blocks when the file has block digests)."""
+    if len(head) >= stop:
+        return
+    if isinstance(check, BlockCheck):
+        for window in check.read(f, check.needed([(len(head), stop)])):
+            head += window.scratch
+    else:
+        head += f.read_at(len(head), stop - len(head))
+
+
+def _pieces(
+    start: int, stop: int, direct: Sequence[tuple[int, memoryview]], scratch: memoryview
+) -> list[tuple[int, memoryview]]:
+    """Where each byte of ``[start, stop)`` goes: its direct destination, else scratch."""
+    pieces = []
+    at = start
+    first = max(0, bisect.bisect_right(direct, start, key=lambda d: d[0]) - 1)
+    for offset, data in direct[first:]:
+        if offset >= stop:
+            break
+        a, b = max(offset, start), min(offset + len(data), stop)
+        if a >= b:
+            continue
+        assert a >= at, "direct destinations must not overlap"
+        if at < a:
+            pieces.append((at, scratch[at - start : a - start]))
+        pieces.append((a, data[a - offset : b - offset]))
+        at = b
+    if at < stop:
+        pieces.append((at, scratch[at - start : stop - start]))
+    return pieces
+
+
+def _read_windows(
+    f: OpenFile, windows: list[tuple[int, int]], direct: Sequence[tuple[int, memoryview]]
+) -> Iterator[Window]:
+    """Each window read (by a thread, ahead of the caller); its scratch buffer is reused
+    once the caller asks for the next window."""
+    if not windows:
+        return
+    size = max(stop - start for start, stop in windows)
+    free: queue.Queue[bytearray | None] = queue.Queue()
+    for _ in range(min(READ_AHEAD + 1, len(windows))):
+        free.put(bytearray(size))
+    ready: queue.Queue[tuple[Window, bytearray] | BaseException | None] = queue.Queue()
+
+    def read() -> None:
+        try:
+            for start, stop in windows:
+                buffer = free.get()
+                if buffer is None:
+                    return
+                scratch = memoryview(buffer)[: stop - start]
+                pieces = _pieces(start, stop, direct, scratch)
+                f.read_into([data for _, data in pieces], start)
+                ready.put((Window(start, stop, pieces, scratch), buffer))
+            ready.put(None)
+        except BaseException as exc:  # handed to the caller's thread
+            ready.put(exc)
+
+    reader = threading.Thread(target=read, name="weightcast-read", daemon=True)
+    reader.start()
+    try:
+        while (item := ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            window, buffer = item
+            yield window
+            free.put(buffer)
+    finally:
+        free.put(None)
+        reader.join()

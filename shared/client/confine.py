@@ -1,0 +1,207 @@
+"""Open only what a node may read: plain names inside the weights root, never via a symlink.
+
+The registry names a version directory (``v17``, or an absolute path from older publishers)
+and its manifest names files. Both come from outside the node, so neither is trusted as a
+path: :func:`registered_parts` turns the registry's ``path`` into plain names below the
+weights root, :class:`VersionDir` opens the root and then each of those names relative to
+the directory before it (``openat``) with ``O_NOFOLLOW``, and every file relative to the
+version directory, again with ``O_NOFOLLOW``, then checks with ``fstat`` that it is a regular
+file. A ``..``, an absolute name or a symlink anywhere (the version directory, the manifest,
+a weights file) is refused, so nothing outside the weights root is ever opened.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+from weightcast.contract.errors import WeightsError
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+"""``O_NONBLOCK``: opening a FIFO planted under a weights name must not hang the node (it is
+refused by the ``fstat`` check right after); it changes nothing for regular files."""
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
+
+
+def plain_name(name: object, what: str) -> str:
+    """``name`` if it is one plain file name (no ``/``, not ``.`` or ``..``, no NUL)."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise WeightsError(f"{what} {name!r}: not a plain file name; refusing to open it")
+    return name
+
+
+def json_object(data: bytes, what: str) -> dict[str, Any]:
+    """Untrusted JSON that must be an object; a WeightsError naming ``what`` otherwise."""
+    try:
+        value = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise WeightsError(f"{what} is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise WeightsError(f"{what} is not a JSON object")
+    return value
+
+
+def registered_parts(path: str, root: Path, root_as_given: Path) -> tuple[str, ...]:
+    """The plain names that lead from the weights root to the registry's ``path``.
+
+    A relative path (what the publisher writes: ``v17``) is taken below the root. An
+    absolute one (older publishers) must lie inside the root, as this node sees it either
+    resolved (``root``) or as configured (``root_as_given``). ``..`` and ``.`` are refused
+    anywhere, so the names are exactly what will be opened.
+    """
+    if path.startswith("/"):
+        for base in (root, root_as_given):
+            prefix = str(base).rstrip("/") + "/"
+            if path.startswith(prefix):
+                path = path[len(prefix) :]
+                break
+        else:
+            raise WeightsError(
+                f"registered path {path} is outside the weights root {root}; refusing to read it"
+            )
+    parts = tuple(path.split("/"))
+    for part in parts:
+        if part in ("", ".", "..") or "\0" in part:
+            raise WeightsError(
+                f"registered path {path!r} is not plain names below the weights root "
+                f"{root}; refusing to read it"
+            )
+    return parts
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What ``fstat`` says about an open file; a changed file has a different identity."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> FileIdentity:
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+class _Descriptor:
+    """Something opened: ``close()`` it, or use it in a ``with`` block."""
+
+    fd: int
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class OpenFile(_Descriptor):
+    """A regular file opened inside a version directory."""
+
+    def __init__(self, fd: int, label: str, identity: FileIdentity) -> None:
+        self.fd = fd
+        self.label = label
+        self.identity = identity
+
+    @property
+    def size(self) -> int:
+        return self.identity.size
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """Exactly ``length`` bytes at ``offset``."""
+        data = bytearray(length)
+        self.read_into([memoryview(data)], offset)
+        return bytes(data)
+
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        """Fill ``buffers``, in order, with the bytes from ``offset`` on (``preadv``); a file
+        that ends early is a WeightsError."""
+        pending = [b for b in buffers if len(b)]
+        first, at = 0, offset
+        while first < len(pending):
+            got = os.preadv(self.fd, pending[first : first + _IOV_MAX], at)
+            if got == 0:
+                wanted = offset + sum(len(b) for b in buffers)
+                raise WeightsError(
+                    f"{self.label}: ends at {at} bytes, before {wanted} "
+                    "(the file shrank while it was read)"
+                )
+            at += got
+            while got and got >= len(pending[first]):
+                got -= len(pending[first])
+                first += 1
+            if got:
+                pending[first] = pending[first][got:]
+
+
+class VersionDir(_Descriptor):
+    """A version directory, opened name by name from the weights root without symlinks."""
+
+    def __init__(self, root: Path, parts: tuple[str, ...]) -> None:
+        self.label = str(root.joinpath(*parts))
+        fd = _open(str(root), _DIR_FLAGS, None, f"weights root {root}")
+        for index, part in enumerate(parts):
+            try:
+                where = f"version directory {root.joinpath(*parts[: index + 1])}"
+                next_fd = _open(part, _DIR_FLAGS, fd, where)
+            finally:
+                os.close(fd)
+            fd = next_fd
+        self.fd = fd
+
+    def open(self, name: str, expected_bytes: int | None = None) -> OpenFile:
+        """Open the plain file ``name`` here: a regular file, not a symlink, of the size the
+        manifest gives (when given)."""
+        label = f"{self.label}/{plain_name(name, 'file')}"
+        fd = _open(name, _FILE_FLAGS, self.fd, label)
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise WeightsError(f"{label}: not a regular file; refusing to read it")
+            if expected_bytes is not None and info.st_size != expected_bytes:
+                raise WeightsError(
+                    f"{label}: {info.st_size} bytes, the manifest says {expected_bytes}"
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return OpenFile(fd, label, FileIdentity.of(info))
+
+    def read_small(self, name: str, limit: int, expected_bytes: int | None = None) -> bytes:
+        """All of a small file (a manifest, a config), refused above ``limit`` bytes before
+        anything is read."""
+        with self.open(name, expected_bytes) as f:
+            if f.size > limit:
+                raise WeightsError(
+                    f"{f.label}: {f.size} bytes, more than the {limit} a {name} may have"
+                )
+            return f.read_at(0, f.size)
+
+
+def _open(name: str, flags: int, dir_fd: int | None, label: str) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP or (
+            exc.errno == errno.ENOTDIR and flags & os.O_DIRECTORY and _is_symlink(name, dir_fd)
+        ):
+            raise WeightsError(f"{label}: a symbolic link; refusing to follow it") from None
+        raise WeightsError(f"{label}: cannot open it: {exc.strerror}") from None
+
+
+def _is_symlink(name: str, dir_fd: int | None) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False

@@ -1,0 +1,331 @@
+"""Reading a published version on a node: confined, verified, only the bytes a rank needs.
+
+:class:`VersionReader` is the file side of a node, with no Redis: hand it a
+:class:`~weightcast.client.versions.VersionInfo` (from a lease) and it
+
+1. opens the version directory and every file without following symlinks, plain names only
+   (:mod:`weightcast.client.confine`);
+2. checks ``manifest.json`` against the registry's SHA-256 before parsing it, and that every
+   tensor names a plain file the manifest lists (``hf/`` files are never opened);
+3. plans the byte ranges the caller needs (a tensor-parallel rank: its rows of fused and
+   vocab-parallel tensors, whole row-parallel tensors it then takes columns of, replicated
+   tensors; or every tensor), and the blocks that cover them;
+4. reads those blocks (:mod:`weightcast.client.block_reads`: contiguous parts straight into
+   the returned tensors, the rest through a scratch buffer), verifying each (block digests
+   of format 2, or the whole-file SHA-256 of format 1) unless the node's record says a
+   sibling process already did (:mod:`weightcast.client.verified`), so no byte is returned
+   that was not checked.
+
+Safetensors headers are parsed defensively (:mod:`weightcast.client.safetensors_header`)
+after their own blocks are verified; every size is checked before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from weightcast.client.block_reads import Rect, checker, copy_rect, read_header, tensor_bytes
+from weightcast.client.confine import (
+    OpenFile,
+    VersionDir,
+    json_object,
+    plain_name,
+    registered_parts,
+)
+from weightcast.client.safetensors_header import TensorSpan
+from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
+from weightcast.client.versions import VersionInfo
+from weightcast.contract.errors import LayoutError, WeightsError
+from weightcast.contract.layout import RankSlice, rank_slice
+from weightcast.contract.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    ManifestError,
+    TensorEntry,
+    sha256_bytes,
+)
+from weightcast.contract.snapshots import CONFIG_NAME
+
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Want:
+    """A tensor to return: all of it (``part`` None) or one rank's part of it."""
+
+    entry: TensorEntry
+    part: RankSlice | None
+
+
+@dataclass
+class ReadStats:
+    """What a read did: for benchmarks, tests and logs."""
+
+    bytes_read: int = 0
+    blocks_hashed: int = 0
+    blocks_trusted: int = 0
+    """Blocks not hashed because the node's record says they were verified already."""
+
+
+def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int) -> list[Want]:
+    """What vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of each tensor.
+
+    Per-rank files: that rank's entries, whole. Otherwise each tensor's
+    :func:`~weightcast.contract.layout.rank_slice`. Raises
+    :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version cannot serve.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise LayoutError(f"rank {tp_rank} is outside tp={tp_size}")
+    if manifest.per_rank_files:
+        if manifest.tp != tp_size:
+            raise LayoutError(
+                f"version {manifest.version} has per-rank files for tp={manifest.tp}, "
+                f"not tp={tp_size}"
+            )
+        return [Want(e, None) for e in manifest.tensors if e.rank == tp_rank]
+    wants = []
+    for entry in manifest.tensors:
+        try:
+            wants.append(Want(entry, rank_slice(entry.shard, entry.shape, tp_rank, tp_size)))
+        except (KeyError, TypeError, IndexError):
+            raise WeightsError(
+                f"{MANIFEST_NAME}: tensor {entry.name} has a malformed shard {entry.shard!r}"
+            ) from None
+    return wants
+
+
+def whole_wants(manifest: Manifest) -> list[Want]:
+    """Every tensor whole; a version split into per-rank files has no whole tensors."""
+    if manifest.per_rank_files:
+        raise WeightsError(
+            f"version {manifest.version} is split into per-rank files; read it with rank_tensors"
+        )
+    return [Want(e, None) for e in manifest.tensors]
+
+
+class VersionReader:
+    """Verified reads of published versions under ``weights_root`` (see the module doc).
+
+    ``verified_dir``: a node-local directory shared by this node's reader processes (its
+    vLLM workers) so that each block is verified once per node and version; None keeps the
+    record in this process only.
+    """
+
+    def __init__(self, weights_root: Path | str, verified_dir: Path | str | None = None) -> None:
+        given = Path(os.path.normpath(Path(weights_root).absolute()))
+        self.root = given.resolve()
+        self.root_as_given = given
+        self.record = ProcessRecord() if verified_dir is None else NodeRecord(verified_dir)
+        self.stats = ReadStats()
+        """What the last read to finish did."""
+
+    def path(self, info: VersionInfo) -> Path:
+        """Where the version is on this node (inside the weights root, or a WeightsError)."""
+        return self.root.joinpath(*registered_parts(info.path, self.root, self.root_as_given))
+
+    def manifest(self, info: VersionInfo) -> Manifest:
+        """The manifest, checked against the registry's digest and for what a node opens."""
+        with self._open(info) as directory:
+            return self._manifest(directory, info)
+
+    def config(self, info: VersionInfo) -> dict[str, Any]:
+        """The version's HF ``config.json``, verified against the manifest."""
+        with self._open(info) as directory:
+            manifest = self._manifest(directory, info)
+            entry = _file_entry(manifest, CONFIG_NAME)
+            data = directory.read_small(CONFIG_NAME, MAX_CONFIG_BYTES, entry.bytes)
+            _verify_bytes(entry, data, f"{directory.label}/{CONFIG_NAME}")
+        return json_object(data, f"{directory.label}/{CONFIG_NAME}")
+
+    def verify(self, info: VersionInfo) -> Manifest:
+        """Check everything a node reads of the version: the manifest, ``config.json`` and
+        every block of every file its tensors are in."""
+        self.config(info)
+        stats = ReadStats()
+        with self._open(info) as directory:
+            manifest = self._manifest(directory, info)
+            for name in sorted({t.file for t in manifest.tensors}):
+                entry = _file_entry(manifest, name)
+                with directory.open(name, entry.bytes) as f:
+                    self._read_file(f, _key(info), entry, [], stats, everything=True)
+        self.stats = stats
+        return manifest
+
+    def load(self, info: VersionInfo) -> dict[str, torch.Tensor]:
+        """Every tensor of the version, whole and verified."""
+        return self._read(info, whole_wants)
+
+    def rank_tensors(
+        self, info: VersionInfo, tp_rank: int, tp_size: int
+    ) -> dict[str, torch.Tensor]:
+        """What vLLM's rank ``tp_rank`` of ``tp_size`` holds of each tensor, verified.
+
+        Only the blocks covering that rank's byte ranges are read and verified (a whole
+        row-parallel tensor, whose columns are the rank's part; per-rank files: that rank's
+        file). Raises :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the
+        version was not fused for, :class:`WeightsError` for anything wrong on disk.
+        """
+        return self._read(info, lambda manifest: rank_wants(manifest, tp_rank, tp_size))
+
+    def _read(
+        self, info: VersionInfo, plan: Callable[[Manifest], list[Want]]
+    ) -> dict[str, torch.Tensor]:
+        stats = ReadStats()
+        with self._open(info) as directory:
+            manifest = self._manifest(directory, info)
+            wants: list[Want] = plan(manifest)
+            by_file: dict[str, list[Want]] = {}
+            for want in wants:
+                by_file.setdefault(want.entry.file, []).append(want)
+            tensors: dict[str, torch.Tensor] = {}
+            for name, file_wants in by_file.items():
+                entry = _file_entry(manifest, name)
+                with directory.open(name, entry.bytes) as f:
+                    tensors |= self._read_file(f, _key(info), entry, file_wants, stats)
+        self.stats = stats
+        return tensors
+
+    def _open(self, info: VersionInfo) -> VersionDir:
+        return VersionDir(self.root, registered_parts(info.path, self.root, self.root_as_given))
+
+    def _manifest(self, directory: VersionDir, info: VersionInfo) -> Manifest:
+        label = f"{directory.label}/{MANIFEST_NAME}"
+        data = directory.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        if sha256_bytes(data) != info.manifest_sha256:
+            raise WeightsError(f"{label}: sha256 differs from the registry's manifest_sha256")
+        try:
+            manifest = Manifest.from_json(data)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            problem = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise WeightsError(f"{label}: not a valid manifest ({problem})") from None
+        check_node_manifest(manifest, label)
+        return manifest
+
+    def _read_file(
+        self,
+        f: OpenFile,
+        key: RecordKey,
+        entry: FileEntry,
+        wants: Sequence[Want],
+        stats: ReadStats,
+        everything: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """The wanted tensors of one open file, out of verified blocks only: contiguous parts
+        are read straight into their tensors, column blocks copied out of verified windows."""
+        check = checker(entry, self.record.known(key, entry.name, f.identity), f.label)
+        spans = read_header(f, check)
+        parts = [_part(want, spans, f.label) for want in wants]
+        outputs = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in parts}
+        direct = sorted(
+            (p.rect.offset, tensor_bytes(outputs[p.name])) for p in parts if p.rect.rows == 1
+        )
+        columns = [p for p in parts if p.rect.rows > 1]
+        if everything:
+            blocks: Iterable[int] = range(check.block_count)
+        else:
+            blocks = check.needed(p.rect.extent for p in parts)
+        for window in check.read(f, blocks, direct):
+            for p in columns:
+                flat = outputs[p.name].view(-1).view(torch.uint8)
+                copy_rect(p.rect, window.start, window.scratch, flat)
+        check.finish()
+        stats.bytes_read += check.bytes_read
+        stats.blocks_hashed += check.hashed
+        stats.blocks_trusted += check.trusted
+        self.record.add(key, entry.name, f.identity, check.verified)
+        return outputs
+
+
+def check_node_manifest(manifest: Manifest, label: str) -> None:
+    """What a node relies on before opening any file the manifest names."""
+    listed = {f.name for f in manifest.files}
+    if CONFIG_NAME not in listed:
+        raise WeightsError(f"{label}: lists no {CONFIG_NAME}")
+    names = [(t.name, t.rank) for t in manifest.tensors]
+    if len(set(names)) != len(names):
+        raise WeightsError(f"{label}: lists a tensor twice")
+    for t in manifest.tensors:
+        plain_name(t.file, f"{label}: tensor {t.name} names the file")
+        if t.file not in listed:
+            raise WeightsError(
+                f"{label}: tensor {t.name} is in {t.file!r}, a file the manifest does not list"
+            )
+        if not isinstance(t.shard, dict) or not _is_shape(t.shape):
+            raise WeightsError(f"{label}: tensor {t.name} has a malformed shape or shard")
+        if manifest.per_rank_files and not isinstance(t.rank, int):
+            raise WeightsError(f"{label}: tensor {t.name} of a per-rank version has no rank")
+
+
+def _is_shape(shape: Any) -> bool:
+    return isinstance(shape, list) and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
+    )
+
+
+def _key(info: VersionInfo) -> RecordKey:
+    return RecordKey(info.version, info.manifest_sha256)
+
+
+def _file_entry(manifest: Manifest, name: str) -> FileEntry:
+    for entry in manifest.files:
+        if entry.name == name:
+            return entry
+    raise WeightsError(f"{MANIFEST_NAME}: {name} is not among the files it lists")
+
+
+def _verify_bytes(entry: FileEntry, data: bytes, label: str) -> None:
+    """A small file read whole: every block, or the SHA-256."""
+    if entry.blocks is None:
+        if hashlib.sha256(data).hexdigest() != entry.sha256:
+            raise WeightsError(f"{label}: sha256 does not match the manifest")
+        return
+    try:
+        for index in range(len(entry.blocks.digests)):
+            entry.verify_block(index, data[slice(*entry.blocks.span(index, len(data)))])
+    except ManifestError as exc:
+        raise WeightsError(f"{label.rsplit('/', 1)[0]}/{exc}") from None
+
+
+# -- what to read ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Part:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    rect: Rect
+
+
+def _part(want: Want, spans: dict[str, TensorSpan], label: str) -> _Part:
+    """The rect and shape of a wanted tensor, checked against the file's header."""
+    entry, part = want.entry, want.part
+    span = spans.get(entry.name)
+    if span is None or list(span.shape) != entry.shape or span.dtype_name != entry.dtype:
+        raise WeightsError(
+            f"{label}: tensor {entry.name} is missing or not {entry.dtype} {entry.shape}"
+        )
+    item, shape = span.dtype.itemsize, span.shape
+    if part is not None and part.start == 0 and part.stop == shape[part.dim]:
+        part = None  # all of it (tp 1): one contiguous range, read straight into the tensor
+    if part is None:
+        return _Part(entry.name, span.dtype, shape, Rect(span.start, 1, 0, span.stop - span.start))
+    count = part.stop - part.start
+    if part.dim == 0:
+        row = math.prod(shape[1:]) * item
+        rect = Rect(span.start + part.start * row, 1, 0, count * row)
+        return _Part(entry.name, span.dtype, (count, *shape[1:]), rect)
+    if part.dim == 1 and len(shape) == 2:
+        rect = Rect(span.start + part.start * item, shape[0], shape[1] * item, count * item)
+        return _Part(entry.name, span.dtype, (shape[0], count), rect)
+    raise WeightsError(f"{label}: tensor {entry.name} {list(shape)} cannot be split along dim 1")

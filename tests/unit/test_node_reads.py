@@ -1,0 +1,168 @@
+"""The pure parts of a node's reads: registered paths, safetensors headers, copying a rank's
+bytes out of read windows, and the registry entry."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from weightcast.client.block_reads import Rect, copy_rect
+from weightcast.client.confine import registered_parts
+from weightcast.client.safetensors_header import header_bytes, parse_header
+from weightcast.client.versions import VersionInfo
+from weightcast.contract.errors import RedisFull, WeightsError
+from weightcast.runtime.retry import Outage, redis_full
+
+ROOT = Path("/data/weights")
+
+
+@pytest.mark.parametrize(
+    ("path", "parts"),
+    [
+        ("v17", ("v17",)),
+        ("runs/v17", ("runs", "v17")),
+        ("/data/weights/v17", ("v17",)),
+        ("/mnt/link/v17", ("v17",)),  # the root as configured, before resolving a symlink
+    ],
+)
+def test_registered_paths_become_plain_names_below_the_root(path: str, parts: tuple) -> None:
+    assert registered_parts(path, ROOT, Path("/mnt/link")) == parts
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/data/weights", "/data/weightsX/v1", "/etc", "../v1", "v1/..", "v1/./x", "v1//x", "", "/"],
+)
+def test_registered_paths_that_escape_or_are_not_plain_are_refused(path: str) -> None:
+    with pytest.raises(WeightsError, match="refusing to read it"):
+        registered_parts(path, ROOT, ROOT)
+
+
+def header_of(entries: dict) -> bytes:
+    return json.dumps(entries).encode()
+
+
+def test_a_header_is_checked_against_the_file_before_anything_is_sized() -> None:
+    with pytest.raises(WeightsError, match="claims 4611686018427387904 bytes"):
+        header_bytes(struct.pack("<Q", 2**62), 10_000, "f")
+    with pytest.raises(WeightsError, match="too short"):
+        header_bytes(b"\0\0", 2, "f")
+    assert header_bytes(struct.pack("<Q", 100), 108, "f") == 100
+    with pytest.raises(WeightsError, match="claims 101 bytes"):
+        header_bytes(struct.pack("<Q", 101), 108, "f")
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 15]}, "hold 15 bytes"),
+        ({"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 2**82]}, "end past"),
+        ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}, "non-negative integers"),
+        ({"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}, "hold -4 bytes"),
+        ({"dtype": "X", "shape": [1], "data_offsets": [0, 4]}, "unknown dtype"),
+        ({"dtype": "F32", "shape": [1]}, "two data_offsets"),
+        ([1, 2], "is not an object"),
+    ],
+)
+def test_a_header_entry_must_describe_bytes_inside_the_file(entry: object, message: str) -> None:
+    text = header_of({"t": entry})
+    with pytest.raises(WeightsError, match=message):
+        parse_header(text, 8 + len(text) + 64, "f")
+
+
+def test_a_good_header_gives_absolute_spans() -> None:
+    text = header_of(
+        {
+            "__metadata__": {"format": "pt"},
+            "a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+            "b": {"dtype": "F32", "shape": [], "data_offsets": [12, 16]},
+        }
+    )
+    spans = parse_header(text, 8 + len(text) + 16, "f")
+    assert (spans["a"].start, spans["a"].stop) == (8 + len(text), 8 + len(text) + 12)
+    assert spans["a"].dtype_name == "bfloat16" and spans["b"].shape == ()
+    with pytest.raises(WeightsError, match="not JSON"):
+        parse_header(b"\xff{", 100, "f")
+    overlapping = header_of(
+        {
+            "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
+            "b": {"dtype": "U8", "shape": [4], "data_offsets": [6, 10]},
+        }
+    )
+    with pytest.raises(WeightsError, match="entries 'a' and 'b' overlap"):
+        parse_header(overlapping, 8 + len(overlapping) + 10, "f")
+
+
+def test_copying_a_rect_window_by_window_gives_the_rect() -> None:
+    """Rows and column blocks of a file, copied out of any split of the file into windows,
+    equal the same bytes sliced at once."""
+    rng = random.Random(0)
+    for _ in range(300):
+        rows, stride = rng.randint(1, 9), rng.randint(1, 40)
+        width = rng.randint(1, stride)
+        offset = rng.randint(0, 50)
+        rect = Rect(offset, rows, stride if rows > 1 else 0, width)
+        data = bytes(rng.randrange(256) for _ in range(offset + rows * stride + 30))
+        expected = b"".join(
+            data[offset + r * stride : offset + r * stride + width] for r in range(rows)
+        )
+        out = torch.zeros(rows * width, dtype=torch.uint8)
+        cuts = sorted({0, len(data), *(rng.randint(1, len(data) - 1) for _ in range(4))})
+        for start, stop in itertools.pairwise(cuts):
+            copy_rect(rect, start, memoryview(bytearray(data[start:stop])), out)
+        assert bytes(out.tolist()) == expected, (rect, cuts)
+
+
+def test_a_registry_entry_is_parsed_with_errors_naming_the_field() -> None:
+    fields = {
+        "path": "v3",
+        "step": "9",
+        "layout": "vllm-fused",
+        "tp": "2",
+        "dtype": "bfloat16",
+        "bytes": "100",
+        "manifest_sha256": "a" * 64,
+        "run_id": "r",
+        "created_at": "1.5",
+    }
+    info = VersionInfo.from_fields(3, {k.encode(): v.encode() for k, v in fields.items()})
+    assert (info.path, info.tp, info.created_at) == ("v3", 2, 1.5)
+    assert VersionInfo.from_fields(3, info.as_fields()) == info
+    with pytest.raises(WeightsError, match="has no 'path'"):
+        VersionInfo.from_fields(3, {k: v for k, v in fields.items() if k != "path"})
+    with pytest.raises(WeightsError, match="bytes is 'lots', not a int"):
+        VersionInfo.from_fields(3, {**fields, "bytes": "lots"})
+
+
+def raising(exc: Exception) -> Callable[[], None]:
+    def call() -> None:
+        raise exc
+
+    return call
+
+
+def test_a_full_redis_is_waited_out_like_an_outage_then_named() -> None:
+    full = redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'.")
+    in_script = redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+    assert redis_full(full) and redis_full(in_script)
+    assert not redis_full(redis.ResponseError("WRONGTYPE")) and not redis_full(ValueError())
+    outage = Outage(budget=60)
+    pauses: list[float] = []
+    assert not outage.attempt(raising(full), "pushing", pauses.append)
+    assert outage.ongoing and outage.detail()["redis"] == "full" and pauses == [0.5]
+    assert outage.attempt(lambda: None, "pushing", pauses.append)
+    assert outage.detail() == {"redis": "ok"}
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        outage.attempt(raising(redis.ResponseError("WRONGTYPE")), "x", print)
+    spent = Outage(budget=0)
+    with pytest.raises(RedisFull, match="Redis is full and refuses writes while pushing"):
+        spent.attempt(raising(full), "pushing", pauses.append)
