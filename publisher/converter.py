@@ -9,9 +9,11 @@ the same writer, so both paths give the same bytes.
 
 Layouts (``--layout``):
 
-* ``vllm-fused`` (default): ``model.safetensors`` with fused ``qkv_proj`` / ``gate_up_proj``
-  for one tp, or with ``--per-rank-files`` (tp > 1) one ``model-rank-RR-of-TT.safetensors``
+* ``vllm-fused`` (default): ``model.vllm-fused`` with fused ``qkv_proj`` / ``gate_up_proj``
+  for one tp, or with ``--per-rank-files`` (tp > 1) one ``model-rank-RR-of-TT.vllm-fused``
   per rank holding exactly what ``layout.rank_slice`` gives that rank, and no whole file.
+  Both are safetensors files; their names, and the marker architecture in ``config.json``
+  (``layout.fused_config``), keep stock vLLM from loading them wrong.
 * ``hf``: the plain HF layout in ``v<N>/`` itself: ``model-0000i-of-0000n.safetensors``,
   ``model.safetensors.index.json`` and ``config.json``, what transformers, SGLang and stock
   vLLM read.
@@ -32,6 +34,7 @@ import torch
 
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
 from weightcast.contract.layout import (
+    FUSED_WEIGHTS_FILE,
     LAYOUT_HF,
     LAYOUT_VLLM_FUSED,
     FusedTensor,
@@ -39,6 +42,8 @@ from weightcast.contract.layout import (
     ModelShape,
     check_shapes,
     check_tp,
+    fused_config,
+    fused_rank_file,
     plan_vllm_fused,
     rank_slice,
 )
@@ -67,7 +72,7 @@ from weightcast.publisher.snapshot_reader import (
 )
 from weightcast.publisher.sources import DcpSource, MemorySource, Source
 
-WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_FILE = FUSED_WEIGHTS_FILE
 HF_INDEX = "model.safetensors.index.json"
 HF_DIR = "hf"
 LAYOUT_BOTH = "both"
@@ -83,8 +88,7 @@ def version_dir_name(version: int) -> str:
     return f"v{version}"
 
 
-def rank_file_name(rank: int, tp: int) -> str:
-    return f"model-rank-{rank:02d}-of-{tp:02d}.safetensors"
+rank_file_name = fused_rank_file
 
 
 @dataclass(frozen=True)
@@ -282,7 +286,8 @@ def _write_layouts(
         if options.layout == LAYOUT_HF:
             by_name = {t.name: t for t in outputs}
             tensors += [_entry(by_name[n], f, {"kind": "hf"}) for n, f in weight_map.items()]
-    files.append(_write_json_file(tmp, CONFIG_NAME, config))
+    top_config = config if options.layout == LAYOUT_HF else fused_config(config)
+    files.append(_write_json_file(tmp, CONFIG_NAME, top_config))
     return files, tensors
 
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from weightcast.client.producer import BatchProducer
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import ModelShape, rank_slice
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, ModelShape, fused_rank_file, rank_slice
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 from weightcast.contract.snapshots import SnapshotInfo, snapshot_name
 from weightcast.local.produce import synthetic_batch
@@ -180,13 +180,13 @@ def split_per_rank(deployment: Deployment, version: int) -> int:
     fields = client.hgetall(keys.version(version))
     source = Path(fields[b"path"].decode())
     manifest = Manifest.read(source)
-    tensors = load_file(str(source / "model.safetensors"))
+    tensors = load_file(str(source / FUSED_WEIGHTS_FILE))
     target = source.parent / f"v{version}-per-rank"
     target.mkdir()
     shutil.copy(source / "config.json", target / "config.json")
     entries, files = [], [file_entry(target / "config.json")]
     for rank in range(manifest.tp):
-        name = f"model-rank-{rank:02d}-of-{manifest.tp:02d}.safetensors"
+        name = fused_rank_file(rank, manifest.tp)
         parts = {}
         for entry in manifest.tensors:
             part = rank_slice(entry.shard, entry.shape, rank, manifest.tp)

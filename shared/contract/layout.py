@@ -30,6 +30,32 @@ from weightcast.contract.errors import LayoutError
 LAYOUT_VLLM_FUSED = "vllm-fused"
 LAYOUT_HF = "hf"
 
+# Stock vLLM must refuse a fused version, not load it wrong: its ``load_weights`` accepts the
+# fused names and splits ``qkv_proj`` / ``gate_up_proj`` as one HF concatenation, which is
+# right only at tp=1. Two markers make every stock path fail loudly:
+FUSED_ARCHITECTURE = "WeightcastFusedQwen3ForCausalLM"
+"""The ``architectures`` of a fused version's ``config.json``: no stock vLLM (or transformers)
+model class has this name, so ``LLM(model=<version>)`` and ``vllm serve <version>`` stop at
+once. ``model_type`` stays ``qwen3``, and weightcast's readers compare shapes, not names."""
+FUSED_FILE_SUFFIX = ".vllm-fused"
+"""Fused weight files end in this, not ``.safetensors`` (they are safetensors inside): vLLM's
+default loader, which ``reload_weights(weights_path=...)`` uses and which never reads
+``config.json``, globs ``*.safetensors`` / ``*.bin`` / ``*.pt`` and so finds no weights.
+weightcast's readers take file names from the manifest."""
+FUSED_WEIGHTS_FILE = f"model{FUSED_FILE_SUFFIX}"
+
+
+def fused_rank_file(rank: int, tp: int) -> str:
+    """The file of tp rank ``rank`` in a version with per-rank files."""
+    return f"model-rank-{rank:02d}-of-{tp:02d}{FUSED_FILE_SUFFIX}"
+
+
+def fused_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` written beside fused weights: the model's, with the marker
+    architecture (see :data:`FUSED_ARCHITECTURE`)."""
+    return {**config, "architectures": [FUSED_ARCHITECTURE]}
+
+
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.q_proj\.(weight|bias)$")
 _GATE = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_proj\.(weight|bias)$")
 _FUSED_QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.qkv_proj\.(weight|bias)$")

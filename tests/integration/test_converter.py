@@ -11,7 +11,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from weightcast.contract.layout import LayoutError, ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.layout import (
+    FUSED_ARCHITECTURE,
+    FUSED_WEIGHTS_FILE,
+    LayoutError,
+    ModelShape,
+    assemble,
+    plan_vllm_fused,
+)
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.publisher.converter import LAYOUT_BOTH, ConvertOptions, convert, rank_file_name
@@ -70,8 +77,8 @@ def test_byte_ranges_write_what_save_file_and_dcp_load_write(
     )
 
     assert (fast.reader, slow.reader) == ("byte-range", "dcp-load")
-    data = (fast.path / "model.safetensors").read_bytes()
-    assert data == (slow.path / "model.safetensors").read_bytes()
+    data = (fast.path / FUSED_WEIGHTS_FILE).read_bytes()
+    assert data == (slow.path / FUSED_WEIGHTS_FILE).read_bytes()
     assert data == reference_file(tmp_path, state, shape, tp)
     assert fast.manifest.dtype == "mixed"
 
@@ -92,8 +99,8 @@ def test_a_snapshot_written_by_two_fsdp_ranks_converts_to_the_same_bytes(tmp_pat
     for tp in (1, 2):
         a = publish(tmp_path, single, 10 + tp, options=ConvertOptions(tp=tp))
         b = publish(tmp_path, sharded, 20 + tp, options=ConvertOptions(tp=tp))
-        assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    assert (a / "model.safetensors").read_bytes() == reference_file(tmp_path, state, shape, 2)
+        assert (a / FUSED_WEIGHTS_FILE).read_bytes() == (b / FUSED_WEIGHTS_FILE).read_bytes()
+    assert (a / FUSED_WEIGHTS_FILE).read_bytes() == reference_file(tmp_path, state, shape, 2)
     # Per-rank files cut o_proj / down_proj by columns across both ranks' row blocks.
     options = ConvertOptions(tp=2, per_rank_files=True)
     a, b = (
@@ -112,7 +119,7 @@ def test_storage_it_does_not_recognise_falls_back_to_dcp_load(tmp_path: Path) ->
     snapshot = write_snapshot(tmp_path, 1, SMALL, {**state, o_proj: transposed})
     published = convert(snapshot_at(snapshot), tmp_path / "w", 1, options=ConvertOptions(tp=2))
     assert published.reader == "dcp-load"
-    data = (published.path / "model.safetensors").read_bytes()
+    data = (published.path / FUSED_WEIGHTS_FILE).read_bytes()
     assert data == reference_file(tmp_path, state, SMALL, 2)
 
 
@@ -120,12 +127,12 @@ def test_storage_it_does_not_recognise_falls_back_to_dcp_load(tmp_path: Path) ->
 def test_per_rank_files_hold_exactly_what_vllm_loads_on_each_rank(tmp_path: Path, tp: int) -> None:
     state = hf_state(SMALL, torch.bfloat16)
     snapshot = write_snapshot(tmp_path, 1, SMALL, state)
-    whole = load_file(str(publish(tmp_path, snapshot, 1, tp=tp) / "model.safetensors"))
+    whole = load_file(str(publish(tmp_path, snapshot, 1, tp=tp) / FUSED_WEIGHTS_FILE))
     version = publish(tmp_path, snapshot, 2, options=ConvertOptions(tp=tp, per_rank_files=True))
     manifest = Manifest.read(version)
 
     assert manifest.per_rank_files
-    assert not (version / "model.safetensors").exists()  # per-rank versions write only ranks
+    assert not (version / FUSED_WEIGHTS_FILE).exists()  # per-rank versions write only ranks
     assert sorted(f.name for f in manifest.files) == sorted(
         ["config.json"] + [rank_file_name(r, tp) for r in range(tp)]
     )
@@ -195,11 +202,15 @@ def test_hf_layout_loads_in_transformers_with_the_source_logits(
     assert set(index["weight_map"]) == set(state)
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in state.values())
     if layout == LAYOUT_BOTH:
-        assert manifest.hf_dir == "hf" and (version / "model.safetensors").is_file()
+        assert manifest.hf_dir == "hf" and (version / FUSED_WEIGHTS_FILE).is_file()
         assert "model.layers.0.self_attn.qkv_proj.weight" in {t.name for t in manifest.tensors}
         assert "hf/model.safetensors.index.json" in {f.name for f in manifest.files}
+        # The fused files beside it carry the marker that stops stock vLLM from loading them.
+        top = json.loads((version / "config.json").read_text())
+        assert top == {**config, "architectures": [FUSED_ARCHITECTURE]}
     else:
-        assert manifest.layout == "hf" and not (version / "model.safetensors").exists()
+        assert manifest.layout == "hf" and not (version / FUSED_WEIGHTS_FILE).exists()
+    assert json.loads((hf_dir / "config.json").read_text()) == config  # what stock readers need
     expected = transformers_logits(None, state, config)
     actual = transformers_logits(hf_dir, state, config)
     assert torch.equal(actual, expected)
@@ -249,7 +260,7 @@ def test_every_qwen3_size_and_tp_through_the_real_converter(
     kinds = ["weight", "bias"] if bias else ["weight"]
     for tp in (1, 2, 4, 8, 16):
         version = publish(tmp_path, snapshot, tp, options=ConvertOptions(tp=tp))
-        fused = load_file(str(version / "model.safetensors"))
+        fused = load_file(str(version / FUSED_WEIGHTS_FILE))
         assert ("lm_head.weight" in fused) != spec["tied"]
         assert "model.layers.1.self_attn.q_norm.weight" in fused
         per_rank = publish(
