@@ -228,7 +228,7 @@ def run_rollout_node(config: Config, node: Node, stopping: Callable[[], bool]) -
         timeout=cfg.timeout,
     )
 
-    def refresh(policy: Policy) -> Policy | None:
+    def load_in_transformers(policy: Policy) -> Policy | None:
         latest = node.client.latest()
         if latest <= max(policy.version, node.seen):
             return None
@@ -238,6 +238,12 @@ def run_rollout_node(config: Config, node: Node, stopping: Callable[[], bool]) -
         return ModelPolicy.from_published(
             loaded.version, loaded.config, loaded.tensors, loaded.info.tp
         )
+
+    refresh = load_in_transformers
+    if cfg.engine == "vllm":
+        from weightcast.local.vllm_rollout import VllmPolicies
+
+        refresh = VllmPolicies(config, node).refresh
 
     def push(rollout: Rollout, version: int) -> str:
         return producer.push(rollout.tensors, version, reward=rollout.reward)
