@@ -19,10 +19,12 @@ from typing import Any
 import pytest
 import torch
 
+from weightcast.client.vllm.driver import EngineError, LocalEngine, swap
+from weightcast.client.vllm.protocol import REFUSED
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.local.redis_server import RedisServer
 
-from vllm_helpers import ODD_VOCAB, TINY, Registry, random_state
+from vllm_helpers import ODD_VOCAB, TINY, Registry, greedy, random_state
 
 HERE = Path(__file__).resolve().parent
 
@@ -55,6 +57,21 @@ class Versions:
         """The version's HF layout (``both`` puts it in ``hf/``)."""
         path = self.path(name)
         return path / "hf" if (path / "hf").is_dir() else path
+
+
+def assert_refused_and_unchanged(
+    engine: LocalEngine, versions: Versions, fresh: dict[str, Any], bad: str, reason: str
+) -> None:
+    """``bad`` is refused with ``reason`` while the engine serves B, which it still serves,
+    exactly, and still reports; then C and B load again (the engine is in sync)."""
+    swap(engine, versions.number["B"])
+    with pytest.raises(EngineError, match=f"{REFUSED}: {reason}"):
+        swap(engine, versions.number[bad])
+    assert greedy(engine.llm) == fresh["B"]
+    assert engine.weight_version() == str(versions.number["B"])
+    for name in "CB":  # every later call gets its own reply: nothing was left queued
+        swap(engine, versions.number[name])
+        assert greedy(engine.llm) == fresh[name]
 
 
 @pytest.fixture(scope="session")

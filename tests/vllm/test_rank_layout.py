@@ -52,12 +52,7 @@ def run_ranks(
                 "state": str(source["file"]),
                 "fused_file": str(registry.versions[versions["fused"]] / FUSED_WEIGHTS_FILE),
                 "versions": versions,
-                "location": {
-                    "redis_url": registry.redis_url,
-                    "namespace": registry.namespace,
-                    "weights_root": str(registry.weights_dir),
-                    "node_id": f"ranks-tp{tp}",
-                },
+                "location": registry.location(f"ranks-tp{tp}"),
             }
         )
     )

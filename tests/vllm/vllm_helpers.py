@@ -24,6 +24,7 @@ import redis
 import torch
 from safetensors.torch import save_file
 
+from weightcast.client.vllm.driver import LocalEngine
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import ModelShape
 from weightcast.publisher.daemon import Publisher
@@ -163,6 +164,15 @@ class Registry:
         client.close()
         return version
 
+    def location(self, node_id: str) -> dict[str, str]:
+        """The backend's ``init_info`` for versions of this registry."""
+        return {
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "weights_root": str(self.weights_dir),
+            "node_id": node_id,
+        }
+
     def leases(self, version: int) -> list[str]:
         client = redis.Redis.from_url(self.redis_url)
         members = client.zrange(self.keys.leases(version), 0, -1)
@@ -236,6 +246,19 @@ def llm_engine(model: str | Path, tp: int = 1, backend: bool = True, **extra: An
         llm.llm_engine.engine_core.shutdown()
         del llm
         gc.collect()
+
+
+@contextlib.contextmanager
+def backend_engine(
+    model: str | Path, registry: Registry, node_id: str, tp: int = 1
+) -> Iterator[LocalEngine]:
+    """An ``LLM`` (vLLM's default process layout) with the weightcast backend, initialised
+    to load the versions of ``registry``."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(report)
+    with llm_engine(model, tp) as llm:
+        engine = LocalEngine(llm)
+        engine.init_weight_transfer_engine(registry.location(node_id))
+        yield engine
 
 
 def free_port() -> int:

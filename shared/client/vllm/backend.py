@@ -48,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from weightcast.client.vllm.placement import hf_tensors, packed_name
-from weightcast.client.vllm.protocol import InitInfo, UpdateInfo, resolve
+from weightcast.client.vllm.protocol import REFUSED, InitInfo, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.layout import LAYOUT_HF, ModelShape, check_shapes
@@ -118,7 +118,7 @@ class WeightcastWeightTransferEngine(
             mode = self._mode(staged)
         except Exception as exc:  # refused: tell the other ranks before anyone touches anything
             reason = f"{type(exc).__name__}: {exc}"
-        if self._give_up(f"{what} refused, no parameter touched", _every_rank(reason)):
+        if self._give_up(f"{what} {REFUSED}", _every_rank(reason)):
             return
         assert staged is not None
         applied = time.perf_counter()

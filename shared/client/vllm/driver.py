@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from weightcast.client.vllm.protocol import REFUSED
 from weightcast.client.weights import VersionGone, WeightsClient
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
@@ -206,6 +207,8 @@ class ServerNode:
         """Versions the engine refused: not tried again."""
         self.ready = False
         """The server was initialised and its version read since it last went away."""
+        self.trouble = ""
+        """Why the server is not ready (logged once per reason)."""
         self.error = ""
         self.reported_at = 0.0
         self.lease = contextlib.ExitStack()
@@ -218,17 +221,19 @@ class ServerNode:
             self._recover()
             self.server.init_weight_transfer_engine(self.init_info)
             self.served = served_version(self.server.weight_version())
-        except ServerUnavailable as exc:
+        except EngineError as exc:  # down, restarting, or not taking updates (yet)
             self._lost(exc)
             return False
-        self.ready = True
+        self.ready, self.trouble = True, ""
         self._hold(self.served)
         log.info("vllm server ready", url=self.server.url, served=self.served)
         return True
 
-    def _lost(self, error: ServerUnavailable) -> None:
-        if self.ready:
+    def _lost(self, error: EngineError) -> None:
+        """The server does not answer as it should: wait, and initialise it again."""
+        if str(error) != self.trouble:
             log.warning("vllm server unavailable; waiting for it", error=str(error))
+            self.trouble = str(error)
         self.ready = False
 
     def _recover(self) -> None:
@@ -253,7 +258,7 @@ class ServerNode:
                 log.warning("vllm server restarted; initialising it again", url=self.server.url)
                 if not self.connect():
                     return
-        except ServerUnavailable as exc:
+        except EngineError as exc:
             self._lost(exc)
             return
         newest = self.client.latest()
@@ -276,10 +281,10 @@ class ServerNode:
             return
         except EngineError as exc:
             lease.close()
-            if isinstance(exc, ServerUnavailable):
-                self._lost(exc)
-            else:
+            if REFUSED in str(exc):  # the version's fault: not tried again
                 self.refused.add(version)
+            else:  # the server's: try again once it answers
+                self._lost(exc)
             self.error = f"v{version} not loaded: {exc}"
             log.error("vllm did not load version", version=version, error=str(exc))
             self.report(force=True)

@@ -18,6 +18,9 @@ from pathlib import Path
 
 from weightcast.runtime.config import Config, default_node_id
 
+REFUSED = "refused, no parameter touched"
+"""In the error of an update the backend refused: the version does not fit the engine, which
+still serves what it served (any other error is the engine's, not the version's)."""
 LOAD_MODES = ("auto", "inplace", "layerwise")
 """``inplace``: copy each rank part into the live parameter (the engine must keep
 checkpoint-format parameters); ``layerwise``: vLLM's layerwise reload (any platform or
