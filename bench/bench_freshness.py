@@ -41,7 +41,9 @@ def node(args: argparse.Namespace) -> None:
 
     from weightcast.client.weights import WeightsClient
 
-    client = WeightsClient(args.redis_url, args.namespace, args.node_id, args.weights_dir)
+    client = WeightsClient(
+        args.redis_url, args.weights_dir, namespace=args.namespace, node_id=args.node_id
+    )
     version = 0
     while True:
         newer = client.wait_for_newer(version, timeout=600)
@@ -50,7 +52,7 @@ def node(args: argparse.Namespace) -> None:
         with client.lease(newer) as info:
             tensors = {
                 name: tensor.to(args.device, non_blocking=True)
-                for name, tensor in client.tensors_for_rank(info, 0, 1)
+                for name, tensor in client.rank_tensors(info, 0, 1).items()
             }
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()

@@ -6,9 +6,11 @@ headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.layout.p
 pure), write each planned file (:mod:`weightcast.publisher.safetensors_writer`: copy, digest
 per block, check floats) and the JSON files, then the manifest. Everything goes to
 ``.tmp-v<N>/``, is fsynced, and only then renamed to ``v<N>/``: a ``v*`` directory is always
-whole. A snapshot file that already is an HF file the plan asks for (one rank, every tensor
-whole) is linked into the version instead of copied; it is still read once for its digests.
-The caller (the daemon) registers the result.
+whole. Fused files are named ``*.vllm-fused`` and their ``config.json`` names the marker
+architecture (:func:`~weightcast.contract.layout.fused_config`), so stock vLLM refuses them
+instead of loading them wrong. A snapshot file that already is an HF file the plan asks for
+(one rank, every tensor whole) is linked into the version instead of copied; it is still read
+once for its digests. The caller (the daemon) registers the result.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from weightcast.contract.layout import (
     VersionPlan,
     check_shapes,
     check_tp,
+    fused_config,
     plan_version,
 )
 from weightcast.contract.manifest import (
@@ -152,7 +155,8 @@ def _write_files(
         files.append(_json_file(tmp, hf_dir + HF_INDEX, index, digest))
         if plan.hf_dir:
             files.append(_json_file(tmp, hf_dir + CONFIG_NAME, config, digest))
-    files.append(_json_file(tmp, CONFIG_NAME, config, digest))
+    top_config = config if plan.layout == LAYOUT_HF else fused_config(config)
+    files.append(_json_file(tmp, CONFIG_NAME, top_config, digest))
     return files, linked
 
 

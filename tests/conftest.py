@@ -2,11 +2,14 @@
 
 Tiers by folder: ``unit`` (no processes, no Redis), ``integration`` (a real redis-server on a
 free loopback port, in-process daemons, short CLI processes), ``process`` (real trainer and
-publisher processes, marked ``slow``). ``gpu`` tests are skipped without CUDA.
+publisher processes, marked ``slow``), ``vllm`` (real vLLM engines, marked ``vllm`` and
+``slow``; collected only where vLLM is installed: ``make test-vllm`` runs them with the
+``.venv-vllm`` pytest). ``gpu`` tests are skipped without CUDA.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import uuid
 from collections.abc import Iterator
@@ -23,16 +26,35 @@ use_cpu_without_accelerator()  # before any test module imports torchtitan
 
 REPO = Path(__file__).resolve().parent.parent
 PROCESS_TIER = Path(__file__).resolve().parent / "process"
+VLLM_TIER = Path(__file__).resolve().parent / "vllm"
+
+
+def _vllm_installed() -> bool:
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None  # not tests/vllm as a namespace
+
+
+collect_ignore = [] if _vllm_installed() else ["vllm"]
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if collect_ignore:
+        return "tests/vllm not collected: vLLM is not installed here (make test-vllm runs it)"
+    return None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the process tier ``slow``; skip ``gpu`` tests when CUDA is not available."""
+    """Mark the process and vLLM tiers ``slow`` (and ``vllm``); skip ``gpu`` tests when CUDA
+    is not available."""
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs CUDA; torch sees no GPU here")
     for item in items:
         if item.path.is_relative_to(PROCESS_TIER):
             item.add_marker(pytest.mark.slow)
+        if item.path.is_relative_to(VLLM_TIER):
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.vllm)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
 

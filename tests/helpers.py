@@ -31,7 +31,7 @@ from weightcast.client.producer import BatchProducer
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.codec import BATCH_FIELD, META_FIELD
 from weightcast.contract.keys import TRAINER_GROUP, Keys
-from weightcast.contract.layout import ModelShape, rank_slice
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, ModelShape, fused_rank_file, rank_slice
 from weightcast.contract.manifest import (
     BLOCK_BYTES,
     DEFAULT_DIGEST,
@@ -246,13 +246,13 @@ def split_per_rank(deployment: Deployment, version: int) -> int:
     fields = client.hgetall(keys.version(version))
     source = deployment.root / "weights" / fields[b"path"].decode()  # relative or absolute
     manifest = Manifest.read(source)
-    tensors = load_file(str(source / "model.safetensors"))
+    tensors = load_file(str(source / FUSED_WEIGHTS_FILE))
     target = source.parent / f"v{version}-per-rank"
     target.mkdir()
     shutil.copy(source / "config.json", target / "config.json")
     entries, files = [], [file_entry(target / "config.json")]
     for rank in range(manifest.tp):
-        name = f"model-rank-{rank:02d}-of-{manifest.tp:02d}.safetensors"
+        name = fused_rank_file(rank, manifest.tp)
         parts = {}
         for entry in manifest.tensors:
             part = rank_slice(entry.shard, entry.shape, rank, manifest.tp)

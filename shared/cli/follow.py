@@ -4,7 +4,8 @@ It waits for a newer ``latest`` and loads it (:class:`~weightcast.client.node.No
 that must not be loaded is logged and skipped, and the next good one is loaded. With
 ``--rollout`` it also samples from the version it loaded and pushes scored batches to the
 trainer (see :mod:`weightcast.local.rollout`), keeping at most ``rollout.max_pending`` of them
-queued.
+queued. With ``--vllm-url`` it keeps a running ``vllm serve`` on the newest version instead
+(:mod:`weightcast.client.vllm.driver`).
 
 It rides out Redis outages and a full Redis (``common.redis_retry_seconds``; retries with
 capped exponential back-off, then one clear error) and serves ``/healthz`` on
@@ -19,6 +20,7 @@ from typing import Any
 
 from weightcast.client.node import Node
 from weightcast.client.weights import WeightsClient
+from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import Config, FollowConfig
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
@@ -29,6 +31,8 @@ log = get_logger("follow")
 
 def run_follow(config: Config) -> int:
     cfg = config.follow
+    if cfg.vllm_url and cfg.rollout:
+        raise ConfigError("--vllm-url and --rollout exclude each other: choose one node kind")
     client = WeightsClient(
         config.common.redis_url,
         config.common.weights_dir,
@@ -43,6 +47,10 @@ def run_follow(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    if cfg.vllm_url:
+        from weightcast.client.vllm.driver import follow_server
+
+        return follow_server(config, client, stop.is_set)
     node = Node(client, report_every=cfg.poll_seconds)
     outage = Outage(budget=config.common.redis_retry_seconds)
     server = serve(cfg.metrics_port, lambda: node_health(node, outage))

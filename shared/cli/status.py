@@ -70,6 +70,7 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
             "age_s": age,
             "behind": max(0, latest - entry["version"]),
             "stale": "; ".join(stale),
+            "error": entry.get("error", ""),
         }
     heartbeat: dict[str, Any] = {
         k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()
@@ -143,7 +144,10 @@ def format_status(status: dict[str, Any]) -> str:
     for node, n in sorted(status["nodes"].items()):
         behind = f", {n['behind']} behind latest" if n["behind"] else ""
         stale = f"  STALE: {n['stale']}" if n["stale"] else ""
-        lines.append(f"  {node}: v{n['version']} (reported {n['age_s']}s ago{behind}){stale}")
+        error = f"  ERROR: {n['error']}" if n["error"] else ""
+        lines.append(
+            f"  {node}: v{n['version']} (reported {n['age_s']}s ago{behind}){stale}{error}"
+        )
     if not status["nodes"]:
         lines.append("  (none)")
     publisher = status["publisher"]

@@ -38,11 +38,36 @@ LAYOUT_VLLM_FUSED = "vllm-fused"
 LAYOUT_HF = "hf"
 LAYOUT_BOTH = "both"
 LAYOUTS = (LAYOUT_VLLM_FUSED, LAYOUT_HF, LAYOUT_BOTH)
-WEIGHTS_FILE = "model.safetensors"
 HF_DIR = "hf"
 """Where ``both`` puts the HF layout, inside the version directory."""
 HF_SHARD_BYTES = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
+
+# Stock vLLM must refuse a fused version, not load it wrong: its ``load_weights`` accepts the
+# fused names and splits ``qkv_proj`` / ``gate_up_proj`` as one HF concatenation, which is
+# right only at tp=1. Two markers make every stock path fail loudly:
+FUSED_ARCHITECTURE = "WeightcastFusedQwen3ForCausalLM"
+"""The ``architectures`` of a fused version's ``config.json``: no stock vLLM (or transformers)
+model class has this name, so ``LLM(model=<version>)`` and ``vllm serve <version>`` stop at
+once. ``model_type`` stays ``qwen3``, and weightcast's readers compare shapes, not names."""
+FUSED_FILE_SUFFIX = ".vllm-fused"
+"""Fused weight files end in this, not ``.safetensors`` (they are safetensors inside): vLLM's
+default loader, which ``reload_weights(weights_path=...)`` uses and which never reads
+``config.json``, globs ``*.safetensors`` / ``*.bin`` / ``*.pt`` and so finds no weights.
+weightcast's readers take file names from the manifest."""
+FUSED_WEIGHTS_FILE = f"model{FUSED_FILE_SUFFIX}"
+
+
+def fused_rank_file(rank: int, tp: int) -> str:
+    """The file of tp rank ``rank`` in a version with per-rank files."""
+    return f"model-rank-{rank:02d}-of-{tp:02d}{FUSED_FILE_SUFFIX}"
+
+
+def fused_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``config.json`` written beside fused weights: the model's, with the marker
+    architecture (see :data:`FUSED_ARCHITECTURE`)."""
+    return {**config, "architectures": [FUSED_ARCHITECTURE]}
+
 
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.q_proj\.(weight|bias)$")
 _GATE = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_proj\.(weight|bias)$")
@@ -471,10 +496,6 @@ class VersionPlan:
         }
 
 
-def rank_file_name(rank: int, tp: int) -> str:
-    return f"model-rank-{rank:02d}-of-{tp:02d}.safetensors"
-
-
 def hf_file_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
@@ -488,8 +509,8 @@ def plan_version(
 ) -> VersionPlan:
     """Plan the files of a version from the snapshot's tensors (name -> (dtype, shape)).
 
-    ``vllm-fused``: ``model.safetensors`` with the fused tensors, or with ``per_rank_files``
-    (tp > 1) one ``model-rank-RR-of-TT.safetensors`` per rank holding exactly what
+    ``vllm-fused``: ``model.vllm-fused`` with the fused tensors, or with ``per_rank_files``
+    (tp > 1) one ``model-rank-RR-of-TT.vllm-fused`` per rank holding exactly what
     :func:`rank_slice` gives that rank. ``hf``: the source tensors as they are (a tied
     ``lm_head`` left out) in shards of at most :data:`HF_SHARD_BYTES`. ``both``: the fused
     files, and the HF shards under ``hf/``. Raises :class:`LayoutError`.
@@ -503,11 +524,13 @@ def plan_version(
         whole = [_fused_whole(p, sources) for p in plan]
         if per_rank:
             fused = tuple(
-                PlannedFile(rank_file_name(rank, tp), tuple(_rank_part(t, rank, tp) for t in whole))
+                PlannedFile(
+                    fused_rank_file(rank, tp), tuple(_rank_part(t, rank, tp) for t in whole)
+                )
                 for rank in range(tp)
             )
         else:
-            fused = (PlannedFile(WEIGHTS_FILE, tuple(whole)),)
+            fused = (PlannedFile(FUSED_WEIGHTS_FILE, tuple(whole)),)
     hf: tuple[PlannedFile, ...] = ()
     hf_dir = HF_DIR if layout == LAYOUT_BOTH else None
     if layout != LAYOUT_VLLM_FUSED:

@@ -244,7 +244,7 @@ def run_rollout_node(config: Config, node: Node, stop: threading.Event, outage: 
         timeout=cfg.timeout,
     )
 
-    def refresh(policy: Policy) -> Policy | None:
+    def load_in_transformers(policy: Policy) -> Policy | None:
         latest = node.client.latest()
         if latest <= max(policy.version, node.seen):
             return None
@@ -258,6 +258,12 @@ def run_rollout_node(config: Config, node: Node, stop: threading.Event, outage: 
         except (LayoutError, WeightsError) as exc:
             log.error("refusing version: it does not fit the rollout model", reason=str(exc))
             return None
+
+    refresh = load_in_transformers
+    if cfg.engine == "vllm":
+        from weightcast.local.vllm_rollout import VllmPolicies
+
+        refresh = VllmPolicies(config, node).refresh
 
     def push(rollout: Rollout, version: int) -> str:
         return producer.push(rollout.tensors, version, reward=rollout.reward)

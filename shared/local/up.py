@@ -92,7 +92,12 @@ class Progress:
 
 class Stack:
     def __init__(
-        self, config: Config, run_dir: Path, redis_url: str, config_file: Path | None
+        self,
+        config: Config,
+        run_dir: Path,
+        redis_url: str,
+        config_file: Path | None,
+        vllm_python: str = "",
     ) -> None:
         self.config = config
         self.run_dir = run_dir
@@ -108,11 +113,15 @@ class Stack:
             "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
         }
         self.config_args = [] if config_file is None else ["--config", str(config_file)]
+        self.vllm_python = vllm_python
+        """The Python of a rollout node that samples with vLLM; empty: transformers."""
 
-    def start(self, name: str, args: list[str], may_finish: bool = False) -> None:
+    def start(
+        self, name: str, args: list[str], may_finish: bool = False, python: str = sys.executable
+    ) -> None:
         """Run ``weightcast <args>`` as the process ``name``, with the run's settings."""
         command, *flags = args
-        argv = [sys.executable, "-m", "weightcast", command, *self.config_args, *flags]
+        argv = [python, "-m", "weightcast", command, *self.config_args, *flags]
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
@@ -162,7 +171,11 @@ class Stack:
         self.start(
             "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
         )
-        self.start("follower", ["follow", "--node-id", FOLLOWER_ID, "--rollout"])
+        follower = ["follow", "--node-id", FOLLOWER_ID, "--rollout"]
+        if self.vllm_python:  # the rollouts come from a vLLM engine, in vLLM's own venv
+            self.start("follower", [*follower, "--engine", "vllm"], python=self.vllm_python)
+        else:
+            self.start("follower", follower)
         progress = Progress()
         shown = ""
         while True:
@@ -225,6 +238,11 @@ class UpOptions:
 def run_up(config: Config, options: UpOptions) -> int:
     """Run the pipeline for ``up.steps`` training steps; the process exit code."""
     up = config.up
+    follower_python = ""
+    if config.rollout.engine == "vllm":  # checked before anything starts
+        from weightcast.local.vllm_rollout import vllm_python
+
+        follower_python = vllm_python(up)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = up.workdir.resolve() / stamp
     run_dir.mkdir(parents=True)
@@ -247,7 +265,7 @@ def run_up(config: Config, options: UpOptions) -> int:
             else:
                 print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
             config_file = write_run_config(run_dir, options.config_file)
-            stack = Stack(config, run_dir, redis_url, config_file)
+            stack = Stack(config, run_dir, redis_url, config_file, follower_python)
             resources.callback(stack.stop_all)
             progress = stack.run(steps, up.publish_every, started, up.timeout)
             dead = stack.redis.xlen(stack.keys.dead_letters)

@@ -43,6 +43,9 @@ MODELS = ("tiny", "small", "debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B
 torchtitan 0.2.0's own (a test checks this list against the trainer's registry)."""
 
 READERS = ("auto", "dcp-load")
+PAUSE_MODES = ("wait", "abort")
+ROLLOUT_ENGINES = ("transformers", "vllm")
+VLLM_VENV_PYTHON = Path(".venv-vllm/bin/python")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 REDIS_URL = re.compile(r"^(redis|rediss|unix)://")
@@ -392,6 +395,32 @@ class FollowConfig:
         ge=0,
         le=65535,
     )
+    vllm_url: str = setting(
+        "",
+        "keep the `vllm serve` at this URL on the newest version instead of loading versions "
+        "here (the server runs the weightcast backend, with VLLM_SERVER_DEV_MODE=1)",
+        flag="--vllm-url",
+        pattern=re.compile(r"^(https?://\S+)?$"),
+        pattern_text="empty, or an http:// or https:// URL",
+    )
+    vllm_weights_dir: str = setting(
+        "",
+        "the weights directory as the vLLM server's workers see it; empty means weights_dir",
+        flag="--vllm-weights-dir",
+    )
+    vllm_timeout_seconds: float = setting(
+        600.0,
+        "longest wait for one call to the vLLM server (a pause waits for running requests)",
+        flag="--vllm-timeout-seconds",
+        gt=0,
+    )
+    vllm_pause_mode: str = setting(
+        "wait",
+        "how the vLLM server pauses for an update: wait lets running requests finish, abort "
+        "ends them; either way its KV cache (old weights) is cleared",
+        flag="--vllm-pause-mode",
+        choices=PAUSE_MODES,
+    )
 
 
 @dataclass
@@ -424,6 +453,14 @@ class RolloutConfig:
         600.0, "give up when the trainer has not made room for this many seconds", gt=0
     )
     seed: int = setting(0, "random seed of prompts and sampling", flag="--seed")
+    engine: str = setting(
+        "transformers",
+        "what the rollout node samples with: transformers (fp32, in the node's process) or "
+        "vllm (a vLLM engine on CPU or GPU, updated through the weightcast backend)",
+        flag="--engine",
+        commands=("up", "follow"),
+        choices=ROLLOUT_ENGINES,
+    )
 
 
 @dataclass
@@ -434,6 +471,12 @@ class UpConfig:
     publish_every: int = setting(2, "snapshot every K steps", flag="--publish-every", ge=1)
     workdir: Path = setting(UP_WORKDIR, "each run gets a directory here", flag="--workdir")
     timeout: float = setting(900.0, "give up after this many seconds", flag="--timeout", gt=0)
+    vllm_python: str = setting(
+        "",
+        "the Python that runs the rollout node with --engine vllm (vLLM and weightcast "
+        f"installed); empty means {VLLM_VENV_PYTHON} when it exists (make vllm-setup)",
+        flag="--vllm-python",
+    )
 
 
 @dataclass

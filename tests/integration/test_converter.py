@@ -15,12 +15,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightcast.contract.layout import (
+    FUSED_ARCHITECTURE,
+    FUSED_WEIGHTS_FILE,
     LAYOUT_BOTH,
     LayoutError,
     ModelShape,
     assemble,
+    fused_rank_file,
     plan_vllm_fused,
-    rank_file_name,
 )
 from weightcast.contract.manifest import Manifest, ManifestError, verify_files
 from weightcast.contract.snapshots import (
@@ -94,8 +96,8 @@ def test_byte_ranges_write_what_save_file_and_dcp_load_write(
 
     new = format == FORMAT_DCP_SAFETENSORS
     assert (fast.reader, slow.reader) == ("byte-range" if new else "dcp-load", "dcp-load")
-    data = (fast.path / "model.safetensors").read_bytes()
-    assert data == (slow.path / "model.safetensors").read_bytes()
+    data = (fast.path / FUSED_WEIGHTS_FILE).read_bytes()
+    assert data == (slow.path / FUSED_WEIGHTS_FILE).read_bytes()
     assert data == reference_file(tmp_path, state, shape, tp)
     assert fast.manifest.dtype == "mixed"
 
@@ -123,13 +125,13 @@ def test_a_snapshot_written_by_two_fsdp_ranks_converts_to_the_same_bytes(
     for tp in (1, 2):
         a = publish(tmp_path, single, 10 + tp, tp=tp)
         b = publish(tmp_path, sharded, 20 + tp, tp=tp)
-        assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
-    assert (a / "model.safetensors").read_bytes() == reference_file(tmp_path, state, shape, 2)
+        assert (a / FUSED_WEIGHTS_FILE).read_bytes() == (b / FUSED_WEIGHTS_FILE).read_bytes()
+    assert (a / FUSED_WEIGHTS_FILE).read_bytes() == reference_file(tmp_path, state, shape, 2)
     # Per-rank files cut o_proj / down_proj by columns across both ranks' row blocks.
     a = publish(tmp_path, single, 31, tp=2, per_rank_files=True)
     b = publish(tmp_path, sharded, 32, tp=2, per_rank_files=True)
     for rank in range(2):
-        name = rank_file_name(rank, 2)
+        name = fused_rank_file(rank, 2)
         assert (a / name).read_bytes() == (b / name).read_bytes()
     # Two rank files are not an HF file: the hf layout copies them into one.
     hf = publish(tmp_path, sharded, 41, layout="hf")
@@ -143,23 +145,23 @@ def test_per_rank_files_hold_exactly_what_vllm_loads_on_each_rank(
 ) -> None:
     state = hf_state(SMALL, torch.bfloat16)
     snapshot = write_snapshot(tmp_path, 1, SMALL, state, format)
-    whole = load_file(str(publish(tmp_path, snapshot, 1, tp=tp) / "model.safetensors"))
+    whole = load_file(str(publish(tmp_path, snapshot, 1, tp=tp) / FUSED_WEIGHTS_FILE))
     version = publish(tmp_path, snapshot, 2, tp=tp, per_rank_files=True)
     manifest = Manifest.read(version)
 
     assert manifest.per_rank_files
-    assert not (version / "model.safetensors").exists()  # per-rank versions write only ranks
+    assert not (version / FUSED_WEIGHTS_FILE).exists()  # per-rank versions write only ranks
     assert sorted(f.name for f in manifest.files) == sorted(
-        ["config.json"] + [rank_file_name(r, tp) for r in range(tp)]
+        ["config.json"] + [fused_rank_file(r, tp) for r in range(tp)]
     )
     assert len(manifest.tensors) == tp * len(whole)
     for rank in range(tp):
-        mine = load_file(str(version / rank_file_name(rank, tp)))
+        mine = load_file(str(version / fused_rank_file(rank, tp)))
         entries = {e.name: e for e in manifest.tensors if e.rank == rank}
         assert entries.keys() == mine.keys() == whole.keys()
         for name, tensor in whole.items():
             entry = entries[name]
-            assert entry.file == rank_file_name(rank, tp)
+            assert entry.file == fused_rank_file(rank, tp)
             assert list(mine[name].shape) == entry.shape
             expected = rank_part(tensor, entry.shard, rank, tp)
             assert torch.equal(mine[name], expected), f"{name} rank {rank}"
@@ -228,11 +230,15 @@ def test_hf_layout_loads_in_transformers_with_the_source_logits(
         source = snapshot / "shard-00001-model-00001-of-00001.safetensors"
         assert shard.stat().st_ino == source.stat().st_ino
     if layout == LAYOUT_BOTH:
-        assert manifest.hf_dir == "hf" and (version / "model.safetensors").is_file()
+        assert manifest.hf_dir == "hf" and (version / FUSED_WEIGHTS_FILE).is_file()
         assert "model.layers.0.self_attn.qkv_proj.weight" in {t.name for t in manifest.tensors}
         assert "hf/model.safetensors.index.json" in {f.name for f in manifest.files}
+        # The fused files beside it carry the marker that stops stock vLLM from loading them.
+        top = json.loads((version / "config.json").read_text())
+        assert top == {**config, "architectures": [FUSED_ARCHITECTURE]}
     else:
-        assert manifest.layout == "hf" and not (version / "model.safetensors").exists()
+        assert manifest.layout == "hf" and not (version / FUSED_WEIGHTS_FILE).exists()
+    assert json.loads((hf_dir / "config.json").read_text()) == config  # what stock readers need
     expected = transformers_logits(None, state, config)
     actual = transformers_logits(hf_dir, state, config)
     assert torch.equal(actual, expected)
@@ -283,12 +289,12 @@ def test_every_qwen3_size_and_tp_through_the_real_converter(
     kinds = ["weight", "bias"] if bias else ["weight"]
     for tp in (1, 2, 4, 8, 16):
         version = publish(tmp_path, snapshot, tp, tp=tp)
-        fused = load_file(str(version / "model.safetensors"))
+        fused = load_file(str(version / FUSED_WEIGHTS_FILE))
         assert ("lm_head.weight" in fused) != spec["tied"]
         assert "model.layers.1.self_attn.q_norm.weight" in fused
         per_rank = publish(tmp_path, snapshot, 100 + tp, tp=tp, per_rank_files=True)
         for rank in range(tp):
-            mine = load_file(str(per_rank / rank_file_name(rank, tp))) if tp > 1 else fused
+            mine = load_file(str(per_rank / fused_rank_file(rank, tp))) if tp > 1 else fused
             for layer in range(shape.num_layers):
                 attn = f"model.layers.{layer}.self_attn"
                 for kind in kinds:
@@ -357,7 +363,7 @@ def test_blocks_that_do_not_tile_a_tensor_are_a_corrupt_snapshot(
     # The same blocks, whole and in order, publish the state itself.
     good = write_blocks(tmp_path / "good", SMALL, state, [(0, 40), (40, 64)])
     published = publish(tmp_path, good, 2, tp=2)
-    assert (published / "model.safetensors").read_bytes() == reference_file(
+    assert (published / FUSED_WEIGHTS_FILE).read_bytes() == reference_file(
         tmp_path, state, SMALL, 2
     )
 
@@ -384,7 +390,7 @@ def test_blocks_that_are_not_whole_rows_are_read_with_dcp_load(tmp_path: Path) -
 
     published = convert(snapshot_at(path), tmp_path / "w", 1, ConvertOptions(tp=2))
     assert published.reader == "dcp-load"
-    data = (published.path / "model.safetensors").read_bytes()
+    data = (published.path / FUSED_WEIGHTS_FILE).read_bytes()
     assert data == reference_file(tmp_path, state, SMALL, 2)
 
 
@@ -452,7 +458,7 @@ def test_block_digests_of_every_file_in_the_chosen_algorithm(tmp_path: Path, dig
     manifest = Manifest.read(published.path)
     assert {f.blocks.algorithm for f in manifest.files} == {digest}
     verify_files(published.path, manifest)
-    target = published.path / "model.safetensors"
+    target = published.path / FUSED_WEIGHTS_FILE
     data = bytearray(target.read_bytes())
     data[-1] ^= 1
     target.chmod(0o644)

@@ -53,7 +53,7 @@ def stop(process: subprocess.Popen[str], signum: int = signal.SIGTERM) -> int:
 
 
 def bad_header(directory: Path) -> None:
-    path = directory / "model.safetensors"
+    path = directory / "model.vllm-fused"
     path.write_bytes(struct.pack("<Q", 2**62) + path.read_bytes()[8:])
     redigest(directory, block_bytes=4096)
 
@@ -66,13 +66,13 @@ def edit_manifest(directory: Path, change: Callable[[dict], object]) -> None:
 
 def link_weights_out(directory: Path) -> None:
     outside = directory.parent.parent / "outside"
-    os.unlink(directory / "model.safetensors")
-    os.symlink(outside / "model.safetensors", directory / "model.safetensors")
+    os.unlink(directory / "model.vllm-fused")
+    os.symlink(outside / "model.vllm-fused", directory / "model.vllm-fused")
 
 
 BROKEN = [
     # (what is broken, how, what the refusal must say)
-    ("safetensors header", bad_header, r"model\.safetensors: safetensors header claims"),
+    ("safetensors header", bad_header, r"model\.vllm-fused: safetensors header claims"),
     (
         "manifest not JSON",
         lambda d: (d / MANIFEST_NAME).write_text("{nope"),
@@ -92,11 +92,11 @@ BROKEN = [
     (
         "tensor file outside",
         lambda d: edit_manifest(
-            d, lambda m: [t.update(file="../../outside/model.safetensors") for t in m["tensors"]]
+            d, lambda m: [t.update(file="../../outside/model.vllm-fused") for t in m["tensors"]]
         ),
-        r"names the file '\.\./\.\./outside/model\.safetensors': not a plain file name",
+        r"names the file '\.\./\.\./outside/model\.vllm-fused': not a plain file name",
     ),
-    ("weights file linked out", link_weights_out, r"model\.safetensors: a symbolic link"),
+    ("weights file linked out", link_weights_out, r"model\.vllm-fused: a symbolic link"),
 ]
 
 
@@ -107,8 +107,8 @@ def test_follow_refuses_each_broken_version_and_loads_the_next_good_one(
     deployment.publish()
     outside = tmp_path / "outside"
     outside.mkdir()
-    (outside / "model.safetensors").write_bytes(
-        (tmp_path / "weights/v1/model.safetensors").read_bytes()
+    (outside / "model.vllm-fused").write_bytes(
+        (tmp_path / "weights/v1/model.vllm-fused").read_bytes()
     )
     watch = OpenWatch(outside)
     final = 1 + len(BROKEN) + 1

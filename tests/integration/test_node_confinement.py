@@ -69,51 +69,51 @@ def list_hf_copy(directory: Path, outside: Path) -> None:
     """``hf/`` is a link out, and the manifest lists (with its right digest) and uses a file
     in it: the kind of name ``--layout both`` lists for other readers."""
     os.symlink(outside, directory / "hf")
-    same = directory / "model.safetensors"  # the outside copy's bytes, read from inside
-    entry = {"name": "hf/model.safetensors", "bytes": same.stat().st_size}
+    same = directory / "model.vllm-fused"  # the outside copy's bytes, read from inside
+    entry = {"name": "hf/model.vllm-fused", "bytes": same.stat().st_size}
     entry["sha256"] = sha256_file(same)
 
     def change(manifest: dict) -> None:
         manifest["files"].append(entry)
-        point_tensors_at("hf/model.safetensors")(manifest)
+        point_tensors_at("hf/model.vllm-fused")(manifest)
 
     edit_manifest(directory, change)
 
 
 HOSTILE = {
     "tensor file with ..": (
-        lambda v, out: edit_manifest(v, point_tensors_at("../../outside/model.safetensors")),
-        r"names the file '\.\./\.\./outside/model\.safetensors': not a plain file name",
+        lambda v, out: edit_manifest(v, point_tensors_at("../../outside/model.vllm-fused")),
+        r"names the file '\.\./\.\./outside/model\.vllm-fused': not a plain file name",
     ),
     "absolute tensor file": (
-        lambda v, out: edit_manifest(v, point_tensors_at(str(out / "model.safetensors"))),
+        lambda v, out: edit_manifest(v, point_tensors_at(str(out / "model.vllm-fused"))),
         r"not a plain file name",
     ),
     "tensor file in a listed subdirectory (hf/)": (
         lambda v, out: list_hf_copy(v, out),
-        r"names the file 'hf/model\.safetensors': not a plain file name",
+        r"names the file 'hf/model\.vllm-fused': not a plain file name",
     ),
     "tensor file not listed": (
         lambda v, out: (
-            shutil.copy(v / "model.safetensors", v / "other.safetensors"),
+            shutil.copy(v / "model.vllm-fused", v / "other.safetensors"),
             edit_manifest(v, point_tensors_at("other.safetensors")),
         ),
         r"other\.safetensors', a file the manifest does not list",
     ),
     "weights file is a symlink out": (
         lambda v, out: (
-            os.unlink(v / "model.safetensors"),
-            os.symlink(out / "model.safetensors", v / "model.safetensors"),
+            os.unlink(v / "model.vllm-fused"),
+            os.symlink(out / "model.vllm-fused", v / "model.vllm-fused"),
         ),
-        r"model\.safetensors: a symbolic link; refusing to follow it",
+        r"model\.vllm-fused: a symbolic link; refusing to follow it",
     ),
     "weights file is a FIFO": (
-        lambda v, out: (os.unlink(v / "model.safetensors"), os.mkfifo(v / "model.safetensors")),
-        r"model\.safetensors: not a regular file",
+        lambda v, out: (os.unlink(v / "model.vllm-fused"), os.mkfifo(v / "model.vllm-fused")),
+        r"model\.vllm-fused: not a regular file",
     ),
     "weights file is a directory": (
-        lambda v, out: (os.unlink(v / "model.safetensors"), os.mkdir(v / "model.safetensors")),
-        r"model\.safetensors: not a regular file",
+        lambda v, out: (os.unlink(v / "model.vllm-fused"), os.mkdir(v / "model.vllm-fused")),
+        r"model\.vllm-fused: not a regular file",
     ),
 }
 
@@ -179,7 +179,7 @@ def test_registered_paths_resolve_inside_the_weights_root_only(
         f"{weights}/../outside": "is not plain names below the weights root",
         "": "needs a path",
         "v77": r"version directory .*v77: a symbolic link",
-        "v1/model.safetensors": "cannot open it: Not a directory",
+        "v1/model.vllm-fused": "cannot open it: Not a directory",
     }
     reader = deployment.reader()
     for path, message in refused.items():
@@ -205,14 +205,14 @@ def test_registered_paths_resolve_inside_the_weights_root_only(
 
 
 def safetensors_prefix(directory: Path) -> tuple[int, dict]:
-    data = (directory / "model.safetensors").read_bytes()
+    data = (directory / "model.vllm-fused").read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     return length, json.loads(data[8 : 8 + length])
 
 
 def write_header(directory: Path, header: dict, length: int | None = None) -> None:
-    """Replace the header of ``model.safetensors`` keeping its data where it was."""
-    path = directory / "model.safetensors"
+    """Replace the header of ``model.vllm-fused`` keeping its data where it was."""
+    path = directory / "model.vllm-fused"
     data = path.read_bytes()
     (old,) = struct.unpack("<Q", data[:8])
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -222,7 +222,7 @@ def write_header(directory: Path, header: dict, length: int | None = None) -> No
 
 
 def garble_header(directory: Path) -> None:
-    path = directory / "model.safetensors"
+    path = directory / "model.vllm-fused"
     data = bytearray(path.read_bytes())
     (length,) = struct.unpack("<Q", data[:8])
     data[8 : 8 + length] = b"{" + b"x" * (length - 1)
@@ -254,23 +254,23 @@ def unknown_dtype(header: dict) -> None:
 MALFORMED_FILES = {
     "header length 2**62": (
         lambda v: write_header(v, safetensors_prefix(v)[1], length=2**62),
-        r"model\.safetensors: safetensors header claims 4611686018427387904 bytes",
+        r"model\.vllm-fused: safetensors header claims 4611686018427387904 bytes",
     ),
     "header not JSON": (
         lambda v: garble_header(v),
-        r"model\.safetensors: safetensors header is not JSON",
+        r"model\.vllm-fused: safetensors header is not JSON",
     ),
     "tensor of 2**62 elements": (
         lambda v: write_header(v, _changed(safetensors_prefix(v)[1], grow_shape)),
-        r"model\.safetensors: .* end past the file",
+        r"model\.vllm-fused: .* end past the file",
     ),
     "offsets that do not fit the shape": (
         lambda v: write_header(v, _changed(safetensors_prefix(v)[1], shift_offsets)),
-        r"model\.safetensors: .* hold \d+ bytes, its shape .* needs \d+",
+        r"model\.vllm-fused: .* hold \d+ bytes, its shape .* needs \d+",
     ),
     "unknown dtype": (
         lambda v: write_header(v, _changed(safetensors_prefix(v)[1], unknown_dtype)),
-        r"model\.safetensors: .* unknown dtype 'F128'",
+        r"model\.vllm-fused: .* unknown dtype 'F128'",
     ),
     "config not JSON": (
         lambda v: (v / "config.json").write_text("{'not': json"),

@@ -58,10 +58,10 @@ def redigested(
 
 
 def needed_blocks(directory: Path, rank: int, block_bytes: int = BLOCK) -> set[int]:
-    """The blocks of model.safetensors that hold the header or any byte of ``rank``'s parts,
+    """The blocks of model.vllm-fused that hold the header or any byte of ``rank``'s parts,
     worked out from the file's header and the manifest's shard specs (row-parallel tensors:
     every byte of the tensor, since each row holds some of the rank's columns)."""
-    data = (directory / "model.safetensors").read_bytes()
+    data = (directory / "model.vllm-fused").read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + length])
     ranges = [(0, 8 + length)]
@@ -87,12 +87,12 @@ def test_each_rank_reads_and_verifies_only_its_blocks(
     deployment: Deployment, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     number, directory = redigested(deployment)
-    weights = directory / "model.safetensors"
+    weights = directory / "model.vllm-fused"
     reads: list[tuple[int, int]] = []
     read_into = OpenFile.read_into
 
     def recorded(self: OpenFile, buffers: list[memoryview], offset: int) -> None:
-        if self.label.endswith("model.safetensors"):
+        if self.label.endswith("model.vllm-fused"):
             reads.append((offset, offset + sum(len(b) for b in buffers)))
         read_into(self, buffers, offset)
 
@@ -124,13 +124,13 @@ def test_each_rank_reads_and_verifies_only_its_blocks(
 
 def test_a_corrupt_block_fails_only_the_ranks_that_read_it(deployment: Deployment) -> None:
     number, directory = redigested(deployment)
-    weights = directory / "model.safetensors"
+    weights = directory / "model.vllm-fused"
     only_rank_1 = sorted(needed_blocks(directory, 1) - needed_blocks(directory, 0))
     assert only_rank_1, "no block is rank 1's alone"
     flip(weights, only_rank_1[len(only_rank_1) // 2] * BLOCK + 7)
     assert len(deployment.reader().rank_tensors(number, 0, TP)) > 10
     with pytest.raises(
-        WeightsError, match=r"v\d+/model\.safetensors: bytes \d+\.\.\d+ do not match"
+        WeightsError, match=r"v\d+/model\.vllm-fused: bytes \d+\.\.\d+ do not match"
     ):
         deployment.reader().rank_tensors(number, 1, TP)
     with pytest.raises(WeightsError, match="do not match"):
@@ -152,7 +152,7 @@ def test_a_format_1_file_is_verified_whole_once_then_read_in_part(
     monkeypatch.setattr(block_reads, "WHOLE_FILE_GRID", BLOCK)  # a tiny model's file
     number, directory = redigested(deployment, algorithm="sha256")
     reader = deployment.reader()
-    size = (directory / "model.safetensors").stat().st_size
+    size = (directory / "model.vllm-fused").stat().st_size
     reader.rank_tensors(number, 0, TP)
     assert reader.files.stats.bytes_read >= size  # the whole file, for its sha256
     assert reader.files.stats.blocks_hashed > 0
@@ -218,14 +218,14 @@ def test_sibling_workers_verify_each_block_once_per_node(
     assert run(0) == (len(blocks[0]), 0)
     assert run(1) == (len(blocks[1] - blocks[0]), len(blocks[1] & blocks[0]))
     assert run(0) == (0, len(blocks[0]))  # a restarted worker
-    os.utime(directory / "model.safetensors")  # a rewritten file voids its record
+    os.utime(directory / "model.vllm-fused")  # a rewritten file voids its record
     assert run(0) == (len(blocks[0]), 0)
 
     # On disk: one directory per version and manifest digest, one small record per file.
     key = RecordKey(number, info.manifest_sha256)
     entries = sorted(p.name for p in (record / key.dir_name).iterdir())
-    assert entries == [LOCK_NAME, "model.safetensors.json"]  # config.json: small, read whole
-    saved = json.loads((record / key.dir_name / "model.safetensors.json").read_text())
+    assert entries == [LOCK_NAME, "model.vllm-fused.json"]  # config.json: small, read whole
+    saved = json.loads((record / key.dir_name / "model.vllm-fused.json").read_text())
     assert set(saved["blocks"]) == blocks[0] and saved["whole"] is False
 
 
@@ -253,7 +253,7 @@ def test_concurrent_workers_a_killed_lock_holder_and_a_torn_record(
     holder.send_signal(signal.SIGKILL)
     holder.wait()
     # A torn record (a crash mid-write of an older layout, a disk error) counts as empty.
-    (record / key.dir_name / "model.safetensors.json").write_text('{"identity": [1, 2')
+    (record / key.dir_name / "model.vllm-fused.json").write_text('{"identity": [1, 2')
 
     workers = [worker(deployment, record, number, rank) for rank in range(TP)]
     results = []
@@ -262,7 +262,7 @@ def test_concurrent_workers_a_killed_lock_holder_and_a_torn_record(
         assert process.returncode == 0, err
         results.append(json.loads(out))
     assert all(r["tensors"] > 10 for r in results)
-    saved = json.loads((record / key.dir_name / "model.safetensors.json").read_text())
+    saved = json.loads((record / key.dir_name / "model.vllm-fused.json").read_text())
     assert set(saved["blocks"]) == needed_blocks(directory, 0) | needed_blocks(directory, 1)
 
 
@@ -270,7 +270,7 @@ def test_a_failed_rank_records_nothing_false(deployment: Deployment, tmp_path: P
     number, directory = redigested(deployment)
     record = tmp_path / "node-record"
     only_rank_1 = sorted(needed_blocks(directory, 1) - needed_blocks(directory, 0))
-    flip(directory / "model.safetensors", only_rank_1[0] * BLOCK + 1)
+    flip(directory / "model.vllm-fused", only_rank_1[0] * BLOCK + 1)
     reader = VersionReader(deployment.root / "weights", verified_dir=record)
     info = deployment.reader().info(number)
     for _ in range(2):  # the second try hashes the bad block again rather than trusting it

@@ -18,7 +18,7 @@ import torch
 
 from weightcast.client.weights import AsyncWeightsClient, VersionGone, WeightsError
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import LayoutError
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, LayoutError, fused_rank_file
 from weightcast.contract.manifest import (
     verify_files,
 )
@@ -116,7 +116,7 @@ def test_a_path_outside_the_weights_root_is_refused(deployment: Deployment, tmp_
 
 def test_a_corrupted_file_fails_verification_naming_the_file(deployment: Deployment) -> None:
     deployment.publish()
-    weights = deployment.root / "weights" / "v1" / "model.safetensors"
+    weights = deployment.root / "weights" / "v1" / FUSED_WEIGHTS_FILE
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
@@ -124,7 +124,7 @@ def test_a_corrupted_file_fails_verification_naming_the_file(deployment: Deploym
     with (
         reader.lease(1) as info,
         pytest.raises(
-            WeightsError, match=r"model\.safetensors: bytes 0\.\.\d+ do not match the manifest"
+            WeightsError, match=r"model\.vllm-fused: bytes 0\.\.\d+ do not match the manifest"
         ),
     ):
         reader.verify(info)
@@ -208,14 +208,14 @@ def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
 ) -> None:
     deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=2)
     per_rank = split_per_rank(deployment, deployment.publish())
-    target = tmp_path / "weights" / "v1-per-rank" / "model-rank-01-of-02.safetensors"
+    target = tmp_path / "weights" / "v1-per-rank" / fused_rank_file(1, 2)
     data = bytearray(target.read_bytes())
     data[-1] ^= 0xFF
     target.write_bytes(bytes(data))
     reader = deployment.reader()
     assert len(reader.rank_tensors(per_rank, 0, 2)) > 10  # rank 0 never touches it
     with pytest.raises(
-        WeightsError, match=r"model-rank-01-of-02\.safetensors: bytes .* do not match"
+        WeightsError, match=r"model-rank-01-of-02\.vllm-fused: bytes .* do not match"
     ):
         reader.rank_tensors(per_rank, 1, 2)
     with pytest.raises(WeightsError, match="per-rank files"):
@@ -227,7 +227,7 @@ def test_follow_skips_a_corrupted_version_and_loads_the_next(
     deployment: Deployment, cli_env: dict[str, str]
 ) -> None:
     deployment.publish()
-    weights = deployment.root / "weights" / "v1" / "model.safetensors"
+    weights = deployment.root / "weights" / "v1" / FUSED_WEIGHTS_FILE
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
     follower = subprocess.Popen(
         weightcast("follow", "--node-id", "n1", "--poll-seconds", "0.2", "--until-version", "2"),
@@ -239,7 +239,7 @@ def test_follow_skips_a_corrupted_version_and_loads_the_next(
     )
     for line in follower.stdout:
         if "refusing version" in line:
-            assert "model.safetensors" in line
+            assert FUSED_WEIGHTS_FILE in line
             break
     assert deployment.client.hget(deployment.keys.nodes, "n1") is None  # v1 never served
     deployment.publish()

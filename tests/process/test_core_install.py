@@ -33,7 +33,7 @@ NODE_SCRIPT = """
 import json, sys
 import weightcast
 from weightcast import AsyncWeightsClient, BatchProducer, AsyncBatchProducer, WeightsClient
-import weightcast.client.vllm  # the vLLM integration imports without vLLM or the trainer
+import weightcast.client.vllm.driver  # the vLLM node's driver needs neither vLLM nor the trainer
 
 missing = []
 for heavy in ("torchtitan", "watchdog", "transformers", "prometheus_client"):
@@ -42,7 +42,7 @@ for heavy in ("torchtitan", "watchdog", "transformers", "prometheus_client"):
     except ImportError:
         missing.append(heavy)
 redis_url, namespace, root, version = sys.argv[1:5]
-client = WeightsClient(redis_url, namespace, "core-node", root)
+client = WeightsClient(redis_url, root, namespace=namespace, node_id="core-node")
 with client.lease(int(version)) as info:
     tensors = client.load(info)
 client.report_loaded(int(version))

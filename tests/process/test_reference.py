@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightcast.contract.layout import ModelShape, unfuse
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, ModelShape, unfuse
 from weightcast.contract.manifest import Manifest
 from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.publisher.dcp_load import load_tensors
@@ -46,7 +46,7 @@ def transformers_logits(version_dir: Path, tokens: torch.Tensor) -> torch.Tensor
 
     config = json.loads((version_dir / "config.json").read_text())
     manifest = Manifest.read(version_dir)
-    published = load_file(str(version_dir / "model.safetensors"))
+    published = load_file(str(version_dir / FUSED_WEIGHTS_FILE))
     hf_state = unfuse(published, ModelShape.from_hf_config(config), manifest.tp)
     model = Qwen3ForCausalLM(Qwen3Config.from_dict(config))
     missing, unexpected = model.load_state_dict(hf_state, strict=False)

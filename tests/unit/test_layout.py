@@ -11,11 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 from weightcast.contract.layout import (
+    FUSED_WEIGHTS_FILE,
     LayoutError,
     ModelShape,
     RankSlice,
     assemble,
     check_tp,
+    fused_config,
     plan_vllm_fused,
     rank_slice,
     unfuse,
@@ -230,7 +232,10 @@ def test_publisher_conversion_of_a_real_dcp_snapshot(tmp_path: Path, tp: int) ->
     manifest = Manifest.read(published.path)
     verify_files(published.path, manifest)
     assert (manifest.version, manifest.step, manifest.tp, manifest.dtype) == (7, 5, tp, "bfloat16")
-    fused = load_file(str(published.path / "model.safetensors"))
+    fused = load_file(str(published.path / FUSED_WEIGHTS_FILE))
     assert {t.name for t in manifest.tensors} == set(fused)
     assert_matches_vllm(fused, state, shape, tp)
-    assert json.loads((published.path / "config.json").read_text()) == hf_config(shape)
+    # The fused layout's config.json names an architecture stock vLLM refuses.
+    assert json.loads((published.path / "config.json").read_text()) == fused_config(
+        hf_config(shape)
+    )

@@ -1,0 +1,21 @@
+"""vLLM nodes: a ``weightcast`` weight-transfer backend inside vLLM, and drivers around it.
+
+vLLM (0.32+) lets a weight-transfer backend load new weights into a running engine through
+its weight-sync API (``init_weight_transfer_engine``, ``start_weight_update``,
+``update_weights``, ``finish_weight_update``), from ``LLM`` or over ``vllm serve``'s HTTP
+routes. weightcast's backend makes every vLLM worker (one per tensor-parallel rank) lease,
+verify and read its own rank's part of a published version, and load it:
+
+* :mod:`.plugin`: the ``vllm.general_plugins`` entry point that registers the backend under
+  the name ``weightcast`` (vLLM runs it in every process it starts).
+* :mod:`.backend`: the backend itself; imports vLLM, so it only loads inside vLLM workers.
+* :mod:`.protocol`: what ``init_info`` and ``update_info`` carry (plain JSON).
+* :mod:`.staging`: lease, verify and read one rank's part of a version (weightcast's client).
+* :mod:`.placement`: where vLLM's own loaders expect that part (pure functions).
+* :mod:`.driver`: the update sequence (pause, start, update, finish, version, resume) for a
+  ``vllm serve`` over HTTP and for an ``LLM`` in this process, and the node loop behind
+  ``weightcast follow --vllm-url``.
+
+Only :mod:`.backend` and :mod:`.plugin` import vLLM (lazily for the plugin); the rest runs
+in the core install, without vLLM.
+"""

@@ -1,0 +1,98 @@
+"""Feed one rank's part of a version to vLLM's own loaders, under HF names (pure functions).
+
+vLLM's ``model.load_weights`` is meant for checkpoint tensors: HF names, whole (unsharded)
+tensors; each parameter's ``weight_loader`` narrows to its rank's share (and fuses q, k, v
+into ``qkv_proj``, gate and up into ``gate_up_proj``). Fused names are NOT refused there: a
+``qkv_proj`` tensor reaches ``QKVParallelLinear`` as one ``[Q; K; V]`` concatenation of every
+head, which the published layout is only at tp=1, so at tp > 1 it loads silently wrong.
+
+So a rank hands vLLM HF-named "virtual whole" tensors: whole-shaped, with only the rows (or
+columns) its loaders will narrow to written, from its own part; the rest is never read (and,
+for large allocations, never committed to memory). Offsets are the loaders' own:
+``QKVParallelLinear`` (q at ``rank * q_rows``, k/v at the first kv head of the rank times
+head_dim, replicated when tp exceeds the kv heads), ``MergedColumnParallelLinear`` (gate and up
+at ``rank * rows``), ``VocabParallelEmbedding`` and ``RowParallelLinear``
+(``layout.rank_slice``). ``tests/vllm_reference.py`` re-implements those loaders to check it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from weightcast.client.vllm.staging import RankPart
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.layout import ModelShape, expected_shape, kv_head_of_rank, rank_slice
+
+_PACKED = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+_PACKED_INTO = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
+
+
+def packed_name(hf_name: str) -> str:
+    """The vLLM parameter an HF tensor loads into (``q_proj`` -> ``qkv_proj``...)."""
+    return _PACKED.sub(lambda m: f".{_PACKED_INTO[m.group(1)]}.", hf_name)
+
+
+def hf_tensors(
+    parts: Iterable[RankPart], shape: ModelShape, rank: int, tp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` pairs that make vLLM's loaders on ``rank`` hold ``parts``."""
+    for part in parts:
+        kind = part.shard.get("kind")
+        if kind == "hf":
+            yield part.name, part.tensor
+        elif kind == "qkv":
+            yield from _split_qkv(part, shape, rank, tp)
+        elif kind == "gate_up":
+            yield from _split_gate_up(part, shape, rank)
+        else:
+            whole = expected_shape(part.name, shape)
+            if whole is None:
+                raise LayoutError(f"{part.name}: not a tensor of a dense Qwen3")
+            piece = rank_slice(part.shard, whole, rank, tp)
+            if piece is None:  # replicated: every rank holds it whole
+                yield part.name, part.tensor
+            else:
+                yield part.name, _placed(part.tensor, whole, piece.dim, piece.start)
+
+
+def _split_qkv(
+    part: RankPart, shape: ModelShape, rank: int, tp: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    prefix, suffix = part.name.rsplit(".qkv_proj.", 1)
+    q_rows, kv_rows = part.shard["q_rows"], part.shard["kv_rows"]
+    q, k, v = part.tensor.split([q_rows, kv_rows, kv_rows])
+    rest = tuple(part.tensor.shape[1:])
+    kv_start = kv_head_of_rank(shape, tp, rank)[0] * shape.head_dim
+    yield f"{prefix}.q_proj.{suffix}", _placed(q, (shape.q_rows, *rest), 0, rank * q_rows)
+    yield f"{prefix}.k_proj.{suffix}", _placed(k, (shape.kv_rows, *rest), 0, kv_start)
+    yield f"{prefix}.v_proj.{suffix}", _placed(v, (shape.kv_rows, *rest), 0, kv_start)
+
+
+def _split_gate_up(
+    part: RankPart, shape: ModelShape, rank: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    prefix, suffix = part.name.rsplit(".gate_up_proj.", 1)
+    rows = part.shard["gate_rows"]
+    gate, up = part.tensor.split([rows, rows])
+    whole = (shape.intermediate_size, *part.tensor.shape[1:])
+    yield f"{prefix}.gate_proj.{suffix}", _placed(gate, whole, 0, rank * rows)
+    yield f"{prefix}.up_proj.{suffix}", _placed(up, whole, 0, rank * rows)
+
+
+def _placed(part: torch.Tensor, whole: tuple[int, ...], dim: int, start: int) -> torch.Tensor:
+    """A tensor of shape ``whole`` holding ``part`` at ``start`` along ``dim`` (the rest is
+    uninitialised: the loaders never read it)."""
+    if tuple(part.shape) == tuple(whole):
+        return part
+    buffer = torch.empty(whole, dtype=part.dtype)
+    buffer.narrow(dim, start, part.shape[dim]).copy_(part)
+    return buffer

@@ -1,0 +1,126 @@
+"""Per-rank truth from vLLM's own model and loaders, for tp 1, 2 and 4 (4 > the 2 kv heads).
+
+One process per rank builds vLLM's ``Qwen3ForCausalLM`` for its rank over gloo and loads the
+source tensors with stock ``load_weights`` (``vllm_ranks.py``). Against that truth: what the
+backend stages from versions the real publisher wrote (one fused file, per-rank files),
+the backend's in-place and layerwise updates (the ``hf`` layout too), stock ``load_weights``
+fed fused names, and refusals that leave every rank untouched. The model has a vocabulary
+of 1000, which vLLM pads to 1024, so the last rank's share is short.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from safetensors.torch import save_file
+
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
+
+from conftest import HERE, flip_byte
+from vllm_helpers import ODD_VOCAB, Registry, free_port, random_state
+
+
+@pytest.fixture(scope="module")
+def source(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    state = random_state(ODD_VOCAB, 21)
+    path = tmp_path_factory.mktemp("source") / "state.safetensors"
+    save_file(state, str(path))
+    hf = registry.publish(ODD_VOCAB, state, layout="hf")
+    return {"state": state, "file": path, "hf": hf, "model_dir": registry.versions[hf]}
+
+
+def run_ranks(
+    tp: int, registry: Registry, source: dict[str, Any], tmp_path: Path
+) -> list[dict[str, Any]]:
+    state = source["state"]
+    versions = {"hf": source["hf"], "fused": registry.publish(ODD_VOCAB, state, tp=tp)}
+    versions["wrong_tp"] = registry.publish(ODD_VOCAB, state, tp=2 if tp == 1 else 1)
+    if tp > 1:
+        versions["per_rank"] = registry.publish(ODD_VOCAB, state, tp=tp, per_rank_files=True)
+        versions["rank1_corrupt"] = registry.publish(ODD_VOCAB, state, tp=tp, per_rank_files=True)
+        flip_byte(registry.versions[versions["rank1_corrupt"]] / fused_rank_file(1, tp))
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "model_dir": str(source["model_dir"]),
+                "state": str(source["file"]),
+                "fused_file": str(registry.versions[versions["fused"]] / FUSED_WEIGHTS_FILE),
+                "versions": versions,
+                "location": registry.location(f"ranks-tp{tp}"),
+            }
+        )
+    )
+    port = free_port()
+    ranks = []
+    for r in range(tp):
+        with open(tmp_path / f"rank{r}.log", "wb") as log:
+            argv = [sys.executable, str(HERE / "vllm_ranks.py"), str(r), str(tp), str(port)]
+            ranks.append(subprocess.Popen([*argv, str(spec), str(tmp_path)], stderr=log))
+    for process in ranks:
+        process.wait(timeout=900)
+    results = []
+    for r in range(tp):
+        out = tmp_path / f"rank{r}.json"
+        assert out.is_file(), (tmp_path / f"rank{r}.log").read_text()[-3000:]
+        result = json.loads(out.read_text())
+        assert "error" not in result, result["error"]
+        results.append(result)
+    return results
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_every_rank_holds_exactly_what_vllm_loads(
+    tp: int, registry: Registry, source: dict[str, Any], tmp_path: Path
+) -> None:
+    results = run_ranks(tp, registry, source, tmp_path)
+    layouts = ["fused", "per_rank"] if tp > 1 else ["fused"]
+    for result in results:
+        # The backend stages, for each rank, the parameters vLLM's loaders give it.
+        for key in layouts:
+            assert result["parts"][key]["wrong"] == [], (result["rank"], key)
+            assert result["parts"][key]["checked"] == 2 + 2 * 8  # embed, norm; 8 per layer
+        # In place (a platform that keeps checkpoint-format parameters): bit for bit.
+        for key in layouts:
+            assert result["inplace"][key] == {"mode": "inplace", "differing": []}
+        # Layerwise into a CPU-processed model (linear weights repacked away): every layer,
+        # the tied lm_head's logits included, computes what the truth computes.
+        for key in [*layouts, "hf"]:
+            update = result["layerwise"][key]
+            assert update["mode"] == "layerwise" and update["live_qkv_shape"] == [0]
+            assert update["differing"] == [], (result["rank"], key)
+            assert update["unchanged"] == [], (result["rank"], key)  # dummy -> real weights
+        # Stock load_weights takes the fused names without a word, right only at tp=1.
+        stock = result["stock_fused"]
+        assert stock["raised"] is None
+        if tp == 1:
+            assert stock["differing"] == []
+        else:
+            assert stock["differing"] and all(
+                name.endswith((".qkv_proj.weight", ".gate_up_proj.weight"))
+                for name in stock["differing"]
+            ), stock
+        # A version that some rank must refuse changes nothing on any rank; only the last
+        # rank raises, with every rank's reason.
+        last = result["rank"] == tp - 1
+        for key, reason in [
+            ("wrong_tp", f"is fused for tp={2 if tp == 1 else 1}; this engine runs tp={tp}"),
+            ("rank1_corrupt", "model-rank-01-of-"),
+        ]:
+            if key not in result["refused"]:
+                continue
+            refused = result["refused"][key]
+            assert refused["differing"] == [], (result["rank"], key)
+            assert refused["report"]["failed"].endswith("refused, no parameter touched")
+            assert (refused["raised"] is not None) == last
+            if last:
+                assert reason in refused["raised"], refused
+    if tp > 1:  # only rank 1 read a bad file; every rank refused, and knows why
+        verdicts = results[0]["refused"]["rank1_corrupt"]["report"]["ranks"]
+        assert [v is None for v in verdicts] == [r != 1 for r in range(tp)], verdicts
+        assert "model-rank-01-of-" in verdicts[1]

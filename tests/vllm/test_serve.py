@@ -1,0 +1,177 @@
+"""``vllm serve`` on CPU kept on the newest version by ``weightcast follow --vllm-url``.
+
+The server runs the ``weightcast`` backend (``VLLM_SERVER_DEV_MODE=1`` for the weight-sync
+routes); the node is the real CLI. Each version the publisher writes is served, exactly as a
+fresh engine serves it; ``/weight_info`` names it; the node holds a lease on the version
+served and nothing else; a version the engine refuses is reported and skipped; a node killed
+with SIGKILL in the middle of an update leaves a whole version behind, and the next node
+finishes the job; a restarted server is brought back to the newest version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from conftest import Versions
+from helpers import REPO, wait_for
+from vllm_helpers import TINY, Registry, Server
+
+NODE = "serve-node"
+
+
+class Follower:
+    """``weightcast follow --vllm-url`` as a process; its log lines collected as they come.
+    ``stop_at`` SIGSTOPs it the moment a line matches (from the reading thread: no delay)."""
+
+    def __init__(self, registry: Registry, url: str) -> None:
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "WEIGHTCAST_REDIS_URL": registry.redis_url,
+            "WEIGHTCAST_NAMESPACE": registry.namespace,
+            "WEIGHTCAST_WEIGHTS_DIR": str(registry.weights_dir),
+        }
+        argv = [sys.executable, "-m", "weightcast", "follow", "--vllm-url", url]
+        argv += ["--node-id", NODE, "--poll-seconds", "0.5", "--lease-seconds", "3"]
+        self.process = subprocess.Popen(
+            [*argv, "--log-level", "DEBUG"],
+            env=env,
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.stop_at: re.Pattern[str] | None = None
+        self.stopped = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            if self.stop_at and not self.stopped.is_set() and self.stop_at.search(line):
+                self.process.send_signal(signal.SIGSTOP)
+                self.stopped.set()
+            self.lines.append(line)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+
+def served(server: Server) -> int:
+    label = server.call("GET", "/weight_info")["weight_version"]
+    return int(label) if label.isdigit() else 0
+
+
+def node_record(registry: Registry) -> dict[str, Any]:
+    raw = redis.Redis.from_url(registry.redis_url).hget(registry.keys.nodes, NODE)
+    return json.loads(raw) if raw else {}
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Versions, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """``vllm serve`` started from version A's HF layout, with the weightcast backend."""
+    server = Server(tiny.hf_dir("A"), tmp_path_factory.mktemp("serve") / "serve.log")
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_follow_keeps_a_vllm_server_on_the_newest_version(
+    server: Server,
+    tiny: Versions,
+    fresh_outputs: Any,
+    redis_server: Any,
+    tmp_path: Path,
+) -> None:
+    by_dir = fresh_outputs(1, [tiny.hf_dir(name) for name in "ABC"])
+    fresh = {name: by_dir[tiny.hf_dir(name)] for name in "ABC"}
+    assert server.greedy() == fresh["A"] and served(server) == 0
+    registry = Registry(redis_server.url, "serve", tmp_path)
+    first = registry.publish(TINY, tiny.states["B"])
+    follower = Follower(registry, server.url)
+    try:
+        wait_for(lambda: served(server) == first, 300, "the node to load the first version")
+        assert server.greedy() == fresh["B"]
+        wait_for(lambda: registry.leases(first) == [NODE], 30, "only the node's lease")
+        assert node_record(registry)["version"] == first
+
+        # Each new version is served; the node's lease moves with it.
+        second = registry.publish(TINY, tiny.states["C"], layout="both")
+        wait_for(lambda: served(server) == second, 120, "the second version")
+        assert server.greedy() == fresh["C"]
+        wait_for(lambda: registry.leases(first) == [], 30, "the first version's lease to go")
+        assert registry.leases(second) == [NODE]
+
+        # A version the engine refuses: reported, skipped, the server serves what it did.
+        refused = registry.publish(TINY, tiny.states["A"], tp=2)
+        wait_for(lambda: "error" in node_record(registry), 120, "the node to report the error")
+        record = node_record(registry)
+        assert record["version"] == second
+        assert f"v{refused} not loaded" in record["error"]
+        assert "is fused for tp=2; this engine runs tp=1" in record["error"]
+        assert served(server) == second and not server.call("GET", "/is_paused")["is_paused"]
+        assert server.greedy() == fresh["C"]
+        where = ["--redis-url", registry.redis_url, "--namespace", registry.namespace]
+        status = subprocess.run(
+            [sys.executable, "-m", "weightcast", "status", *where],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        assert f"{NODE}: v{second}" in status.stdout and "ERROR: " in status.stdout
+
+        # The node goes on following: the next good version loads, and clears the error.
+        third = registry.publish(TINY, tiny.states["B"])
+        wait_for(lambda: served(server) == third, 120, "the version after the refused one")
+        assert server.greedy() == fresh["B"]
+        wait_for(lambda: "error" not in node_record(registry), 30, "the error to clear")
+
+        # SIGKILL in the middle of an update: stopped the moment it asks for the update.
+        follower.stop_at = re.compile(r"vllm request .*route=/update_weights")
+        fourth = registry.publish(TINY, tiny.states["A"])
+        assert follower.stopped.wait(120), follower.log()
+        follower.process.kill()
+        follower.process.wait(30)
+        assert server.call("GET", "/is_paused")["is_paused"]  # it died between pause and resume
+    finally:
+        follower.process.kill()
+        follower.process.wait(30)
+
+    # The next node undoes the half-done update (session, pause) and serves the newest.
+    follower = Follower(registry, server.url)
+    try:
+        wait_for(lambda: served(server) == fourth, 120, "a new node to finish the update")
+        assert not server.call("GET", "/is_paused")["is_paused"]
+        assert server.greedy() == fresh["A"]
+        wait_for(lambda: registry.leases(fourth) == [NODE], 30, "the new node's lease")
+        assert all(registry.leases(v) == [] for v in (first, second, refused, third))
+
+        # A restarted server (its weights and version are the start's again; the workers
+        # know nothing of Redis) is initialised again and brought back to the newest version.
+        server.stop()
+        server.start()
+        server.wait_ready()
+        wait_for(lambda: served(server) == fourth, 300, "the restarted server to be brought back")
+        assert server.greedy() == fresh["A"]
+        assert "vllm server unavailable; waiting for it" in follower.log()
+    finally:
+        follower.process.terminate()
+        assert follower.process.wait(60) == 0, follower.log()
+    assert registry.leases(fourth) == []  # a stopped node lets go of its lease
+    assert "vllm serves version" in follower.log()

