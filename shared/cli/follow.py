@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from weightcast.client.node import Node
 from weightcast.client.weights import WeightsClient
@@ -25,6 +25,9 @@ from weightcast.runtime.config import Config, FollowConfig
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.retry import Outage
+
+if TYPE_CHECKING:
+    from weightcast.client.vllm.driver import ServerNode
 
 log = get_logger("follow")
 
@@ -47,21 +50,24 @@ def run_follow(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    node: Node | ServerNode
     if cfg.vllm_url:
-        from weightcast.client.vllm.driver import follow_server
+        from weightcast.client.vllm.driver import server_node
 
-        return follow_server(config, client, stop.is_set)
-    node = Node(client, report_every=cfg.poll_seconds)
+        node = server_node(config, client)
+    else:
+        node = Node(client, report_every=cfg.poll_seconds)
     outage = Outage(budget=config.common.redis_retry_seconds)
     server = serve(cfg.metrics_port, lambda: node_health(node, outage))
     log.info(
         "following",
         node_id=client.node_id,
         weights_dir=str(client.files.root),
+        vllm_url=cfg.vllm_url or None,
         healthz=server.port if server else "off",
     )
     try:
-        if cfg.rollout:
+        if isinstance(node, Node) and cfg.rollout:
             from weightcast.local.rollout import run_rollout_node
 
             return run_rollout_node(config, node, stop, outage)
@@ -73,11 +79,17 @@ def run_follow(config: Config) -> int:
     finally:
         if server is not None:
             server.close()
+        if not isinstance(node, Node):
+            node.close()
         client.close()
 
 
-def follow_once(node: Node, cfg: FollowConfig, stop: threading.Event) -> None:
-    """Report when due, wait up to one poll for a newer version, load it if there is one."""
+def follow_once(node: Node | ServerNode, cfg: FollowConfig, stop: threading.Event) -> None:
+    """Report when due, wait up to one poll for a newer version, load it if there is one (a
+    ``vllm serve``'s node also checks its server)."""
+    if not isinstance(node, Node):
+        node.step(cfg.poll_seconds)
+        return
     node.report()
     version = node.client.wait_for_newer(
         node.seen, timeout=cfg.poll_seconds, poll=cfg.poll_seconds, stop=stop
@@ -87,7 +99,7 @@ def follow_once(node: Node, cfg: FollowConfig, stop: threading.Event) -> None:
         node.report()
 
 
-def node_health(node: Node, outage: Outage) -> Health:
+def node_health(node: Node | ServerNode, outage: Outage) -> Health:
     """``/healthz``: 200 while Redis answers, 503 while it is unreachable or full."""
     detail = {"node_id": node.client.node_id, "version": node.current, **outage.detail()}
     return Health(not outage.ongoing, detail)

@@ -21,7 +21,6 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -248,6 +247,11 @@ class ServerNode:
             log.warning("closed a weight update that a previous node left open")
         self.server.resume()
 
+    @property
+    def current(self) -> int:
+        """The version served (what ``/healthz`` and ``follow.until_version`` look at)."""
+        return self.served
+
     def step(self, timeout: float) -> None:
         """Check the server, load the newest version if it is newer, report the node."""
         if not self.ready and not self.connect():
@@ -322,8 +326,9 @@ class ServerNode:
         self.lease.close()
 
 
-def follow_server(config: Config, client: WeightsClient, stopping: Callable[[], bool]) -> int:
-    """Run :class:`ServerNode` until stopped (or ``follow.until_version`` is served)."""
+def server_node(config: Config, client: WeightsClient) -> ServerNode:
+    """The :class:`ServerNode` ``weightcast follow --vllm-url`` runs (the CLI's loop rides out
+    Redis outages around :meth:`ServerNode.step`)."""
     cfg = config.follow
     server = VllmServer(cfg.vllm_url, cfg.vllm_timeout_seconds, cfg.vllm_pause_mode)
     weights_root = cfg.vllm_weights_dir or str(config.common.weights_dir)
@@ -333,16 +338,7 @@ def follow_server(config: Config, client: WeightsClient, stopping: Callable[[], 
         "weights_root": str(Path(weights_root).absolute()),
         "node_id": client.node_id,
     }
-    node = ServerNode(server, client, init_info, report_every=cfg.poll_seconds)
-    log.info("following for a vllm server", url=server.url, node_id=client.node_id)
-    try:
-        while not stopping():
-            node.step(cfg.poll_seconds)
-            if cfg.until_version and node.served >= cfg.until_version:
-                break
-    finally:
-        node.close()
-    return 0
+    return ServerNode(server, client, init_info, report_every=cfg.poll_seconds)
 
 
 def _message(error: urllib.error.HTTPError) -> str:
