@@ -145,7 +145,7 @@ class VllmPolicies:
             {
                 "redis_url": self.config.common.redis_url,
                 "namespace": self.config.common.namespace,
-                "weights_root": str(self.node.client.weights_root),
+                "weights_root": str(self.node.client.files.root),
                 "node_id": self.node.client.node_id,
             }
         )

@@ -160,7 +160,8 @@ class Registry:
             publisher.lock.release()
         client = redis.Redis.from_url(self.redis_url)
         version = int(client.get(self.keys.latest))
-        self.versions[version] = Path(client.hget(self.keys.version(version), "path").decode())
+        path = client.hget(self.keys.version(version), "path").decode()  # relative to the root
+        self.versions[version] = Path(self.weights_dir) / path
         client.close()
         return version
 
