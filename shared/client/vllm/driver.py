@@ -111,9 +111,6 @@ class VllmServer:
     def weight_version(self) -> str:
         return str(self.call("GET", "/weight_info")["weight_version"])
 
-    def is_paused(self) -> bool:
-        return bool(self.call("GET", "/is_paused")["is_paused"])
-
     def pause(self) -> None:
         """``wait`` lets running requests finish (``abort`` ends them); either way the KV and
         prefix caches, computed with the old weights, are cleared."""
