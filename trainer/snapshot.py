@@ -108,6 +108,8 @@ class SnapshotWriter:
         """True while this rank's previous write runs; raises if that write failed."""
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, NonFiniteWeight):  # a diverged model: one line, no traceback
+                raise error
             raise RuntimeError(f"the background snapshot write failed: {error}") from error
         return self._thread is not None and self._thread.is_alive()
 
@@ -232,7 +234,8 @@ def _non_finite(failure: BaseException | None, step: int) -> NonFiniteWeight:
     found = [str(c) for c in _causes(failure) if isinstance(c, NonFiniteWeight)]
     what = found[0] if found else "another rank holds a non-finite weight"
     return NonFiniteWeight(
-        f"step {step}: {what}; the snapshot was not written (no step-{step}/ exists)"
+        f"step {step}: {what}; the snapshot was not written (no step-{step}/ exists). The model "
+        "diverged: resume from an earlier resume checkpoint with a lower learning rate"
     )
 
 

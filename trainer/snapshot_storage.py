@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.snapshots import SHARDING_INFO_KEY, SnapshotFile, data_file_name
 from weightcast.contract.tensorfile import encode_header, file_order, safetensors_dtype
 
@@ -39,8 +40,11 @@ _WRITE_BYTES = 64 * 1024 * 1024
 """Tensors are checked and written in slices this size (bounded extra memory)."""
 
 
-class NonFiniteWeight(ValueError):
-    """A weight holds NaN or infinity; the message names it. Nothing of it was written."""
+class NonFiniteWeight(WeightcastError, ValueError):
+    """A weight holds NaN or infinity; the message names it. Nothing of it was written.
+
+    A :class:`WeightcastError`: the trainer stops with this one line (exit 1), not a
+    traceback; the model itself diverged, and training on would publish nothing."""
 
 
 class SafetensorsStorageWriter(HuggingFaceStorageWriter):

@@ -13,11 +13,13 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, read_complete
 from weightcast.publisher.converter import ConvertOptions, convert
 from weightcast.publisher.snapshots import Snapshot, complete_snapshots
 from weightcast.trainer.snapshot import SnapshotWriter
+from weightcast.trainer.snapshot_storage import NonFiniteWeight
 
 from helpers import hf_config, hf_state, shape_of, tmpfs
 
@@ -86,9 +88,10 @@ def test_a_non_finite_weight_is_refused_and_nothing_is_written(
     buffer = next(b for k, b in model.named_buffers() if model.names[k] == poisoned)
     buffer.view(-1)[5] = value
     writer.start(model, 2)
-    with pytest.raises(RuntimeError, match=f"{poisoned} holds NaN or infinite values") as raised:
+    with pytest.raises(NonFiniteWeight, match=f"{poisoned} holds NaN or infinite values") as raised:
         writer.wait()
     assert "the snapshot was not written" in str(raised.value)
+    assert isinstance(raised.value, WeightcastError)  # the CLI: one line and exit 1
     assert entries(checkpoints) == ["step-1"]  # no step-2, no .tmp-step-2
     assert writer.written == 1 and writer.last_step == 1
 
