@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from weightcast.contract.keys import Keys
+from weightcast.contract.layout import FUSED_FILE_SUFFIX
 from weightcast.local.produce import synthetic_batch
 
 from helpers import (
@@ -104,7 +105,7 @@ def test_extreme_batches_neither_make_the_policy_nan_nor_publish_nan_weights(
     versions = sorted((tmp_path / "weights").glob("v*"))
     assert versions
     for version in versions:
-        files = list(version.rglob("*.safetensors"))
+        files = [p for p in version.rglob("*") if p.suffix in (".safetensors", FUSED_FILE_SUFFIX)]
         assert files, version
         for file in files:
             for name, tensor in load_file(str(file)).items():

@@ -11,6 +11,7 @@ import torch
 
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.keys import Keys
+from weightcast.contract.layout import FUSED_FILE_SUFFIX
 from weightcast.runtime.config import load_config, resume_dir
 from weightcast.trainer.job import build_job_config
 from weightcast.trainer.model import TRAIN_SPEC_NAME
@@ -112,7 +113,7 @@ def test_fsdp_snapshot_publishes_the_same_bytes_as_a_single_process_one(
             if p.is_file() and p.name != "manifest.json"
         }
     single_files, fsdp_files = published.values()
-    assert any(name.suffix == ".safetensors" for name in single_files)
+    assert any(name.suffix == FUSED_FILE_SUFFIX for name in single_files)
     assert single_files.keys() == fsdp_files.keys()
     for name in single_files:
         assert single_files[name] == fsdp_files[name], f"{name} differs"
