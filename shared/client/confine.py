@@ -41,7 +41,7 @@ def json_object(data: bytes, what: str) -> dict[str, Any]:
     """Untrusted JSON that must be an object; a WeightsError naming ``what`` otherwise."""
     try:
         value = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested absurdly deep
         raise WeightsError(f"{what} is not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise WeightsError(f"{what} is not a JSON object")

@@ -407,7 +407,7 @@ def poison(snapshot: Path, name: str, value: float) -> None:
         return
     file = snapshot / info.files[0].name
     with open(file, "r+b") as f:
-        span = next(s for s in read_header(f.fileno()).tensors if s.name == name)
+        span = next(s for s in read_header(f.fileno(), "data").tensors if s.name == name)
         element = torch.tensor([value], dtype=TORCH_DTYPES[span.dtype])
         f.seek(span.start)
         f.write(element.view(torch.uint8).numpy().tobytes())
