@@ -354,6 +354,17 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, every: 
     return result
 
 
+def redis_ms(client: redis.Redis) -> int:
+    """Redis's clock in milliseconds: what lease expiries are scored against."""
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
+def subscribers(client: redis.Redis, channel: str) -> int:
+    """How many connections are subscribed to ``channel`` now."""
+    return dict(client.pubsub_numsub(channel))[channel.encode()]
+
+
 def torchrun(nproc: int, *args: str) -> list[str]:
     """argv of ``torchrun --standalone --nproc_per_node <nproc> <args>``.
 
