@@ -13,7 +13,7 @@ from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.retry import Outage
 from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 
-from helpers import push_batches
+from helpers import push_batches, wait_for
 
 LIMITS = BatchLimits(vocab_size=1024, max_seq_len=64)
 
@@ -42,7 +42,9 @@ def test_polling_rides_out_a_redis_restart_and_finds_entries_whose_reply_was_los
         # Delivered to "c" without the source seeing it: a reply lost when Redis went away.
         client.xreadgroup(TRAINER_GROUP, "c", {keys.batches: ">"}, count=1)
         server.stop()
-        restart = threading.Timer(1.5, server.start)
+        restart = threading.Thread(  # once the source has met the outage
+            target=lambda: (wait_for(lambda: outage.ongoing, 60, "the outage"), server.start())
+        )
         restart.start()
         got += poll_until(source, 3)  # blocks, retrying, until Redis is back
         restart.join()
