@@ -37,7 +37,6 @@ from weightcast.client.block_reads import Rect, checker, copy_rect, read_header,
 from weightcast.client.confine import (
     OpenFile,
     VersionDir,
-    json_object,
     plain_name,
     registered_parts,
 )
@@ -55,6 +54,7 @@ from weightcast.contract.manifest import (
 )
 from weightcast.contract.snapshots import CONFIG_NAME
 from weightcast.contract.tensorfile import DTYPE_SIZES, TORCH_NAMES, TensorSpan
+from weightcast.contract.untrusted import json_object
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -146,7 +146,7 @@ class VersionReader:
             entry = _file_entry(manifest, CONFIG_NAME)
             data = directory.read_small(CONFIG_NAME, MAX_CONFIG_BYTES, entry.bytes)
             _verify_bytes(entry, data, f"{directory.label}/{CONFIG_NAME}")
-        return json_object(data, f"{directory.label}/{CONFIG_NAME}")
+        return json_object(data, f"{directory.label}/{CONFIG_NAME}", WeightsError)
 
     def verify(self, info: VersionInfo) -> Manifest:
         """Check everything a node reads of the version: the manifest, ``config.json`` and
@@ -206,7 +206,7 @@ class VersionReader:
             raise WeightsError(f"{label}: sha256 differs from the registry's manifest_sha256")
         try:
             manifest = Manifest.from_json(data)
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             problem = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
             raise WeightsError(f"{label}: not a valid manifest ({problem})") from None
         check_node_manifest(manifest, label)

@@ -30,6 +30,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightcast.contract.untrusted import json_object
+
 DTYPE_SIZES = {
     "BOOL": 1,
     "U8": 1,
@@ -187,12 +189,7 @@ def parse_header(text: bytes, file_bytes: int, label: str) -> Header:
     of non-negative integers, exactly ``shape x element size`` bytes, all inside the file;
     together the tensors tile the data section with no hole or overlap up to the file's end.
     """
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested absurdly deep
-        raise HeaderError(f"{label}: safetensors header is not JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise HeaderError(f"{label}: safetensors header is not a JSON object")
+    raw = json_object(text, f"{label}: safetensors header", HeaderError)
     metadata = raw.pop(METADATA_KEY, None) or {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
