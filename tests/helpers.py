@@ -154,6 +154,14 @@ def write_snapshot(
         files = tuple(storage.files)
     else:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    return finish_snapshot(path, step, shape, format, files)
+
+
+def finish_snapshot(
+    path: Path, step: int, shape: ModelShape, format: str, files: tuple[SnapshotFile, ...]
+) -> Path:
+    """What the trainer writes once the tensors are saved: ``config.json``, then the info
+    file that makes the snapshot complete."""
     (path / "config.json").write_text(json.dumps(hf_config(shape)))
     info = SnapshotInfo(
         uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
@@ -448,12 +456,7 @@ def write_sharded_snapshot(
         listing = path / "files.json"
         files = tuple(SnapshotFile(**f) for f in json.loads(listing.read_text()))
         listing.unlink()
-    (path / "config.json").write_text(json.dumps(hf_config(shape)))
-    info = SnapshotInfo(
-        uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
-    )
-    info.write(path)
-    return path
+    return finish_snapshot(path, step, shape, format, files)
 
 
 def publish_snapshot(
