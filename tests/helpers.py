@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -168,6 +169,37 @@ def finish_snapshot(
     )
     info.write(path)
     return path
+
+
+def run_env(redis_url: str, namespace: str, root: Path) -> dict[str, str]:
+    """Environment for ``weightcast`` processes: this Redis and namespace, the checkpoint and
+    weights directories under ``root``."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WEIGHTCAST_REDIS_URL": redis_url,
+        "WEIGHTCAST_NAMESPACE": namespace,
+        "WEIGHTCAST_CHECKPOINT_DIR": str(root / "checkpoints"),
+        "WEIGHTCAST_WEIGHTS_DIR": str(root / "weights"),
+    }
+
+
+def with_namespace(env: dict[str, str], root: Path, name: str) -> dict[str, str]:
+    """``env`` for a second run beside the test's own: namespace ``<namespace>-<name>`` on the
+    same Redis, its directories under ``root / name``."""
+    namespace = f"{env['WEIGHTCAST_NAMESPACE']}-{name}"
+    return {**env, **run_env(env["WEIGHTCAST_REDIS_URL"], namespace, root / name)}
+
+
+def stop(process: subprocess.Popen, signum: int = signal.SIGTERM, timeout: float = 60) -> int:
+    """Stop ``process`` with ``signum`` (SIGKILL if it outlives ``timeout``); its exit code."""
+    if process.poll() is None:
+        process.send_signal(signum)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
 
 
 def clean_env() -> dict[str, str]:

@@ -30,6 +30,7 @@ from helpers import (
     redigest,
     register_version,
     run_weightcast,
+    stop,
     wait_for,
     weightcast,
 )
@@ -45,11 +46,6 @@ def start(env: dict[str, str], *args: str) -> tuple[subprocess.Popen[str], Outpu
         text=True,
     )
     return process, OutputLines(process)
-
-
-def stop(process: subprocess.Popen[str], signum: int = signal.SIGTERM) -> int:
-    process.send_signal(signum)
-    return process.wait(timeout=60)
 
 
 def bad_header(directory: Path) -> None:
