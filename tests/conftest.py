@@ -10,7 +10,6 @@ publisher processes, marked ``slow``), ``vllm`` (real vLLM engines, marked ``vll
 from __future__ import annotations
 
 import importlib.util
-import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +20,8 @@ import redis
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 from weightcast.trainer.device import use_cpu_without_accelerator
+
+from helpers import run_env
 
 use_cpu_without_accelerator()  # before any test module imports torchtitan
 
@@ -81,11 +82,4 @@ def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @pytest.fixture
 def cli_env(redis_server: RedisServer, keys: Keys, tmp_path: Path) -> dict[str, str]:
     """Environment for ``weightcast`` subprocesses: this test's Redis, namespace, dirs."""
-    return {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "WEIGHTCAST_REDIS_URL": redis_server.url,
-        "WEIGHTCAST_NAMESPACE": keys.namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(tmp_path / "weights"),
-    }
+    return run_env(redis_server.url, keys.namespace, tmp_path)

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -154,12 +155,51 @@ def write_snapshot(
         files = tuple(storage.files)
     else:
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+    return finish_snapshot(path, step, shape, format, files)
+
+
+def finish_snapshot(
+    path: Path, step: int, shape: ModelShape, format: str, files: tuple[SnapshotFile, ...]
+) -> Path:
+    """What the trainer writes once the tensors are saved: ``config.json``, then the info
+    file that makes the snapshot complete."""
     (path / "config.json").write_text(json.dumps(hf_config(shape)))
     info = SnapshotInfo(
         uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
     )
     info.write(path)
     return path
+
+
+def run_env(redis_url: str, namespace: str, root: Path) -> dict[str, str]:
+    """Environment for ``weightcast`` processes: this Redis and namespace, the checkpoint and
+    weights directories under ``root``."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "WEIGHTCAST_REDIS_URL": redis_url,
+        "WEIGHTCAST_NAMESPACE": namespace,
+        "WEIGHTCAST_CHECKPOINT_DIR": str(root / "checkpoints"),
+        "WEIGHTCAST_WEIGHTS_DIR": str(root / "weights"),
+    }
+
+
+def with_namespace(env: dict[str, str], root: Path, name: str) -> dict[str, str]:
+    """``env`` for a second run beside the test's own: namespace ``<namespace>-<name>`` on the
+    same Redis, its directories under ``root / name``."""
+    namespace = f"{env['WEIGHTCAST_NAMESPACE']}-{name}"
+    return {**env, **run_env(env["WEIGHTCAST_REDIS_URL"], namespace, root / name)}
+
+
+def stop(process: subprocess.Popen, signum: int = signal.SIGTERM, timeout: float = 60) -> int:
+    """Stop ``process`` with ``signum`` (SIGKILL if it outlives ``timeout``); its exit code."""
+    if process.poll() is None:
+        process.send_signal(signum)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.wait()
 
 
 def clean_env() -> dict[str, str]:
@@ -354,6 +394,17 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, every: 
     return result
 
 
+def redis_ms(client: redis.Redis) -> int:
+    """Redis's clock in milliseconds: what lease expiries are scored against."""
+    seconds, micros = client.time()
+    return seconds * 1000 + micros // 1000
+
+
+def subscribers(client: redis.Redis, channel: str) -> int:
+    """How many connections are subscribed to ``channel`` now."""
+    return dict(client.pubsub_numsub(channel))[channel.encode()]
+
+
 def torchrun(nproc: int, *args: str) -> list[str]:
     """argv of ``torchrun --standalone --nproc_per_node <nproc> <args>``.
 
@@ -437,12 +488,7 @@ def write_sharded_snapshot(
         listing = path / "files.json"
         files = tuple(SnapshotFile(**f) for f in json.loads(listing.read_text()))
         listing.unlink()
-    (path / "config.json").write_text(json.dumps(hf_config(shape)))
-    info = SnapshotInfo(
-        uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
-    )
-    info.write(path)
-    return path
+    return finish_snapshot(path, step, shape, format, files)
 
 
 def publish_snapshot(

@@ -29,15 +29,16 @@ from dataclasses import dataclass
 import torch
 
 from weightcast.client.confine import OpenFile
-from weightcast.client.safetensors_header import (
-    PREFIX_BYTES,
-    TensorSpan,
-    header_bytes,
-    parse_header,
-)
 from weightcast.client.verified import Verified
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import BLOCK_BYTES, FileEntry, new_hasher
+from weightcast.contract.tensorfile import (
+    PREFIX_BYTES,
+    HeaderError,
+    TensorSpan,
+    header_length,
+    parse_header,
+)
 
 WINDOW_BYTES = 64 * 1024 * 1024
 """Bytes read per window (whole blocks; at least one block)."""
@@ -248,14 +249,19 @@ def checker(entry: FileEntry, known: Verified, label: str) -> Check:
 
 
 def read_header(f: OpenFile, check: Check) -> dict[str, TensorSpan]:
-    """The file's tensors from its header. With block digests the header's blocks are
+    """The file's tensors by name, from its header (:mod:`weightcast.contract.tensorfile`'s
+    checks; a WeightsError naming the file). With block digests the header's blocks are
     verified before it is parsed; a format-1 file's header can only be verified with the
     whole file, so it is parsed first (defensively) and verified with the rest."""
     head = bytearray()
     _extend_head(f, check, head, min(f.size, PREFIX_BYTES))
-    stop = PREFIX_BYTES + header_bytes(bytes(head[:PREFIX_BYTES]), f.size, f.label)
-    _extend_head(f, check, head, stop)
-    return parse_header(bytes(head[PREFIX_BYTES:stop]), f.size, f.label)
+    try:
+        stop = PREFIX_BYTES + header_length(bytes(head[:PREFIX_BYTES]), f.size, f.label)
+        _extend_head(f, check, head, stop)
+        header = parse_header(bytes(head[PREFIX_BYTES:stop]), f.size, f.label)
+    except HeaderError as exc:
+        raise WeightsError(str(exc)) from None
+    return {span.name: span for span in header.tensors}
 
 
 def _extend_head(f: OpenFile, check: Check, head: bytearray, stop: int) -> None:

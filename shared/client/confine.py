@@ -13,13 +13,12 @@ a weights file) is refused, so nothing outside the weights root is ever opened.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Self
 
 from weightcast.contract.errors import WeightsError
 
@@ -35,17 +34,6 @@ def plain_name(name: object, what: str) -> str:
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
         raise WeightsError(f"{what} {name!r}: not a plain file name; refusing to open it")
     return name
-
-
-def json_object(data: bytes, what: str) -> dict[str, Any]:
-    """Untrusted JSON that must be an object; a WeightsError naming ``what`` otherwise."""
-    try:
-        value = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WeightsError(f"{what} is not JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise WeightsError(f"{what} is not a JSON object")
-    return value
 
 
 def registered_parts(path: str, root: Path, root_as_given: Path) -> tuple[str, ...]:

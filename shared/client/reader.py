@@ -16,8 +16,9 @@
    sibling process already did (:mod:`weightcast.client.verified`), so no byte is returned
    that was not checked.
 
-Safetensors headers are parsed defensively (:mod:`weightcast.client.safetensors_header`)
-after their own blocks are verified; every size is checked before anything is allocated.
+Safetensors headers are parsed defensively (:mod:`weightcast.contract.tensorfile`, the
+parser the publisher uses too) after their own blocks are verified; every size is checked
+before anything is allocated.
 """
 
 from __future__ import annotations
@@ -36,11 +37,9 @@ from weightcast.client.block_reads import Rect, checker, copy_rect, read_header,
 from weightcast.client.confine import (
     OpenFile,
     VersionDir,
-    json_object,
     plain_name,
     registered_parts,
 )
-from weightcast.client.safetensors_header import TensorSpan
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
 from weightcast.client.versions import VersionInfo
 from weightcast.contract.errors import LayoutError, WeightsError
@@ -54,6 +53,8 @@ from weightcast.contract.manifest import (
     sha256_bytes,
 )
 from weightcast.contract.snapshots import CONFIG_NAME
+from weightcast.contract.tensorfile import DTYPE_SIZES, TORCH_NAMES, TensorSpan
+from weightcast.contract.untrusted import json_object
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -145,7 +146,7 @@ class VersionReader:
             entry = _file_entry(manifest, CONFIG_NAME)
             data = directory.read_small(CONFIG_NAME, MAX_CONFIG_BYTES, entry.bytes)
             _verify_bytes(entry, data, f"{directory.label}/{CONFIG_NAME}")
-        return json_object(data, f"{directory.label}/{CONFIG_NAME}")
+        return json_object(data, f"{directory.label}/{CONFIG_NAME}", WeightsError)
 
     def verify(self, info: VersionInfo) -> Manifest:
         """Check everything a node reads of the version: the manifest, ``config.json`` and
@@ -311,21 +312,22 @@ def _part(want: Want, spans: dict[str, TensorSpan], label: str) -> _Part:
     """The rect and shape of a wanted tensor, checked against the file's header."""
     entry, part = want.entry, want.part
     span = spans.get(entry.name)
-    if span is None or list(span.shape) != entry.shape or span.dtype_name != entry.dtype:
+    if span is None or list(span.shape) != entry.shape or TORCH_NAMES[span.dtype] != entry.dtype:
         raise WeightsError(
             f"{label}: tensor {entry.name} is missing or not {entry.dtype} {entry.shape}"
         )
-    item, shape = span.dtype.itemsize, span.shape
+    dtype: torch.dtype = getattr(torch, entry.dtype)
+    item, shape = DTYPE_SIZES[span.dtype], span.shape
     if part is not None and part.start == 0 and part.stop == shape[part.dim]:
         part = None  # all of it (tp 1): one contiguous range, read straight into the tensor
     if part is None:
-        return _Part(entry.name, span.dtype, shape, Rect(span.start, 1, 0, span.stop - span.start))
+        return _Part(entry.name, dtype, shape, Rect(span.start, 1, 0, span.nbytes))
     count = part.stop - part.start
     if part.dim == 0:
         row = math.prod(shape[1:]) * item
         rect = Rect(span.start + part.start * row, 1, 0, count * row)
-        return _Part(entry.name, span.dtype, (count, *shape[1:]), rect)
+        return _Part(entry.name, dtype, (count, *shape[1:]), rect)
     if part.dim == 1 and len(shape) == 2:
         rect = Rect(span.start + part.start * item, shape[0], shape[1] * item, count * item)
-        return _Part(entry.name, span.dtype, (shape[0], count), rect)
+        return _Part(entry.name, dtype, (shape[0], count), rect)
     raise WeightsError(f"{label}: tensor {entry.name} {list(shape)} cannot be split along dim 1")

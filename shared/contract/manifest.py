@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from weightcast.contract.errors import WeightsError
+from weightcast.contract.untrusted import json_object
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "weightcast.manifest/2"
@@ -199,7 +200,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
-        raw = json.loads(text)
+        raw = json_object(text, MANIFEST_NAME, ManifestError)
         if raw.get("format") not in MANIFEST_FORMATS:
             raise ManifestError(f"unknown manifest format {raw.get('format')!r}")
         raw["files"] = [_file_entry(f) for f in raw["files"]]

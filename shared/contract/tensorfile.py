@@ -1,10 +1,17 @@
-"""The safetensors file format, as the trainer writes it and the publisher reads and writes it.
+"""The safetensors file format: how the trainer and the publisher write it, and the one
+defensive parser every reader uses (the publisher reading snapshots, nodes reading versions).
 
 A safetensors file is an 8-byte little-endian header length ``N``, ``N`` bytes of JSON, then
 the data: ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str:
-str}}`` with offsets relative to byte ``8 + N``. :func:`read_header` parses a header from
-untrusted bytes with bounded sizes and checks it against itself and the file's size, so that
-a reader can copy byte ranges out of the file without ever loading it (and without pickle).
+str}}`` with offsets relative to byte ``8 + N``. Headers come from files written by other
+processes, so nothing in one is trusted: :func:`header_length` checks the length against
+the file before anything is sized by it, and :func:`parse_header` checks every entry against
+itself and the file (known dtype, bytes equal to shape times element size, inside the file,
+the tensors tiling the data with no hole or overlap). A reader can then copy byte ranges out
+of the file without ever loading it (and without pickle). :func:`read_header` does both for
+an open file; a node, which verifies the header's blocks before parsing them, calls the two
+on the bytes it verified. Errors are :class:`HeaderError`, naming the file.
+
 :func:`encode_header` builds the header the way ``safetensors.torch.save_file`` does (tensors
 ordered by :func:`file_order`, compact JSON padded with spaces to 8 bytes), so a file made of
 that header and the tensors' bytes is byte for byte what ``save_file`` writes. Both orderings
@@ -22,6 +29,8 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from weightcast.contract.untrusted import json_object
 
 DTYPE_SIZES = {
     "BOOL": 1,
@@ -84,8 +93,10 @@ NON_FINITE = {
 read as an unsigned integer of the element's size, satisfy ``bits & mask >= limit`` (the
 exponent is all ones; float8 e4m3fn has no infinity and one NaN pattern per sign)."""
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-"""The largest header accepted (safetensors' own limit)."""
+PREFIX_BYTES = 8
+"""The little-endian length of the JSON header that starts every file."""
+MAX_HEADER_BYTES = 100_000_000
+"""The largest header accepted (the safetensors library's own limit)."""
 METADATA_KEY = "__metadata__"
 
 
@@ -146,66 +157,88 @@ def encode_header(
     return struct.pack("<Q", len(text)) + text
 
 
-def read_header(fd: int, name: str = "") -> Header:
-    """Parse and check the header of the open file ``fd`` (``name`` labels errors).
-
-    The data of every tensor must be exactly ``shape x dtype`` bytes; together they must tile
-    the data section with no hole or overlap and end at the end of the file.
-    """
-    label = name or f"fd {fd}"
+def read_header(fd: int, label: str) -> Header:
+    """Parse and check the header of the open file ``fd`` (``label`` names it in errors)."""
     size = os.fstat(fd).st_size
-    prefix = os.pread(fd, 8, 0)
-    if len(prefix) != 8:
-        raise HeaderError(f"{label}: {size} bytes, too short for a safetensors header")
-    (length,) = struct.unpack("<Q", prefix)
-    if length > MAX_HEADER_BYTES or 8 + length > size:
-        raise HeaderError(f"{label}: header length {length} impossible for a {size}-byte file")
-    text = os.pread(fd, length, 8)
+    length = header_length(os.pread(fd, PREFIX_BYTES, 0), size, label)
+    text = os.pread(fd, length, PREFIX_BYTES)
     if len(text) != length:
-        raise HeaderError(f"{label}: file ended inside its header")
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise HeaderError(f"{label}: header is not JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise HeaderError(f"{label}: header is not a JSON object")
+        raise HeaderError(f"{label}: the file ended inside its safetensors header")
+    return parse_header(text, size, label)
+
+
+def header_length(prefix: bytes, file_bytes: int, label: str) -> int:
+    """The JSON header's length from the file's first 8 bytes, checked against the file's
+    size before anything is sized by it (a header claiming 2**62 bytes is an error, never
+    an allocation)."""
+    if file_bytes < PREFIX_BYTES or len(prefix) != PREFIX_BYTES:
+        raise HeaderError(f"{label}: {file_bytes} bytes, too short for a safetensors file")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > min(MAX_HEADER_BYTES, file_bytes - PREFIX_BYTES):
+        raise HeaderError(
+            f"{label}: safetensors header claims {length} bytes; the file has "
+            f"{file_bytes - PREFIX_BYTES} after the length (at most {MAX_HEADER_BYTES})"
+        )
+    return length
+
+
+def parse_header(text: bytes, file_bytes: int, label: str) -> Header:
+    """The header ``text`` (the bytes after the length) of a ``file_bytes``-byte file.
+
+    Nothing in it is trusted: every tensor needs a known dtype, a shape and two data offsets
+    of non-negative integers, exactly ``shape x element size`` bytes, all inside the file;
+    together the tensors tile the data section with no hole or overlap up to the file's end.
+    """
+    raw = json_object(text, f"{label}: safetensors header", HeaderError)
     metadata = raw.pop(METADATA_KEY, None) or {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
-        raise HeaderError(f"{label}: __metadata__ must map strings to strings")
-    data_start = 8 + length
+        raise HeaderError(f"{label}: safetensors header's __metadata__ must map strings to strings")
+    data_start = PREFIX_BYTES + len(text)
     spans = sorted(
-        (_span(label, tensor, entry, data_start) for tensor, entry in raw.items()),
+        (_span(name, entry, data_start, file_bytes, label) for name, entry in raw.items()),
         key=lambda s: (s.start, s.stop),
     )
     at = data_start
     for span in spans:
         if span.start != at:
-            raise HeaderError(f"{label}: data offsets leave a hole or overlap at byte {at}")
+            what = "overlap" if span.start < at else "leave a hole"
+            raise HeaderError(
+                f"{label}: safetensors header's data offsets {what} at byte {at - data_start} "
+                f"({span.name!r})"
+            )
         at = span.stop
-    if at != size:
-        raise HeaderError(f"{label}: {size} bytes, the header describes {at}")
-    return Header(metadata, tuple(spans), data_start, size)
-
-
-def _span(label: str, name: str, entry: Any, data_start: int) -> TensorSpan:
-    try:
-        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in DTYPE_SIZES:
-            raise ValueError(f"unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise ValueError(f"bad shape {shape!r}")
-        if not (isinstance(offsets, list) and len(offsets) == 2):
-            raise ValueError(f"bad data_offsets {offsets!r}")
-        begin, end = offsets
-        if not (type(begin) is int and type(end) is int and 0 <= begin <= end):
-            raise ValueError(f"bad data_offsets {offsets!r}")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise HeaderError(f"{label}: entry {name!r} is malformed: {exc}") from None
-    if end - begin != nbytes(dtype, shape):
+    if at != file_bytes:
         raise HeaderError(
-            f"{label}: {name} has {end - begin} bytes of data; {dtype} {shape} needs "
-            f"{nbytes(dtype, shape)}"
+            f"{label}: {file_bytes} bytes, its safetensors header describes {at} "
+            "(bytes after the last tensor)"
         )
+    return Header(metadata, tuple(spans), data_start, file_bytes)
+
+
+def _span(name: str, entry: Any, data_start: int, file_bytes: int, label: str) -> TensorSpan:
+    where = f"{label}: safetensors header entry {name!r}"
+    if not isinstance(entry, dict):
+        raise HeaderError(f"{where} is not an object")
+    dtype = entry.get("dtype")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise HeaderError(f"{where} has an unknown dtype {dtype!r}")
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not _sizes(shape) or not _sizes(offsets) or len(offsets) != 2:
+        raise HeaderError(f"{where} needs a shape and two data_offsets of non-negative integers")
+    begin, end = offsets
+    size = nbytes(dtype, shape)
+    if end - begin != size:
+        raise HeaderError(
+            f"{where}: data_offsets {offsets} hold {end - begin} bytes, its shape {shape} "
+            f"of {dtype} needs {size}"
+        )
+    if data_start + end > file_bytes:
+        raise HeaderError(f"{where}: data_offsets {offsets} end past the file ({file_bytes} bytes)")
     return TensorSpan(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _sizes(value: Any) -> bool:
+    """A list of non-negative integers (``True`` is no size)."""
+    return isinstance(value, list) and all(type(v) is int and v >= 0 for v in value)

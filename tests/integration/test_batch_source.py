@@ -1,4 +1,5 @@
-"""The trainer's batch source against a real redis-server that restarts (AOF on)."""
+"""The trainer's batch source against a real redis-server that restarts (AOF on), and what
+the demo producer pushes."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import redis
 
 from weightcast.contract.codec import BatchLimits
 from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.local.produce import run_produce
 from weightcast.local.redis_server import RedisServer
+from weightcast.runtime.config import load_config
 from weightcast.runtime.retry import Outage
 from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 
-from helpers import push_batches
+from helpers import push_batches, wait_for
 
 LIMITS = BatchLimits(vocab_size=1024, max_seq_len=64)
 
@@ -42,7 +45,9 @@ def test_polling_rides_out_a_redis_restart_and_finds_entries_whose_reply_was_los
         # Delivered to "c" without the source seeing it: a reply lost when Redis went away.
         client.xreadgroup(TRAINER_GROUP, "c", {keys.batches: ">"}, count=1)
         server.stop()
-        restart = threading.Timer(1.5, server.start)
+        restart = threading.Thread(  # once the source has met the outage
+            target=lambda: (wait_for(lambda: outage.ongoing, 60, "the outage"), server.start())
+        )
         restart.start()
         got += poll_until(source, 3)  # blocks, retrying, until Redis is back
         restart.join()
@@ -53,3 +58,24 @@ def test_polling_rides_out_a_redis_restart_and_finds_entries_whose_reply_was_los
         assert client.xpending(keys.batches, TRAINER_GROUP)["pending"] == 0
     finally:
         server.stop()
+
+
+def test_the_demo_producers_malformed_batches_are_dead_lettered_with_the_reason(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys
+) -> None:
+    """``weightcast produce --invalid-every 2`` (its code, in this process): the good batches
+    arrive in order, each malformed one is dead-lettered with what is wrong with it."""
+    settings = {
+        "redis_url": redis_server.url,
+        "namespace": keys.namespace,
+        "produce.count": 4,
+        "produce.invalid_every": 2,
+        "produce.max_pending": 0,
+    }
+    assert run_produce(load_config(env={}, overrides=settings)) == 0
+    source = BatchSource(client, keys, "c", LIMITS, SourceSettings(block_ms=100))
+    source.recover(set())
+    assert [item.batch.meta["index"] for item in poll_until(source, 4)] == [1, 2, 3, 4]
+    assert source.poll() is None  # the last entry, malformed
+    reasons = [fields[b"reason"].decode() for _, fields in client.xrange(keys.dead_letters)]
+    assert len(reasons) == 2 and all("not a safetensors blob" in r for r in reasons), reasons

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from weightcast.contract.keys import Keys
+from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.manifest import MANIFEST_NAME
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
@@ -30,6 +30,7 @@ from helpers import (
     redigest,
     register_version,
     run_weightcast,
+    stop,
     wait_for,
     weightcast,
 )
@@ -47,15 +48,17 @@ def start(env: dict[str, str], *args: str) -> tuple[subprocess.Popen[str], Outpu
     return process, OutputLines(process)
 
 
-def stop(process: subprocess.Popen[str], signum: int = signal.SIGTERM) -> int:
-    process.send_signal(signum)
-    return process.wait(timeout=60)
-
-
 def bad_header(directory: Path) -> None:
     path = directory / "model.vllm-fused"
     path.write_bytes(struct.pack("<Q", 2**62) + path.read_bytes()[8:])
     redigest(directory, block_bytes=4096)
+
+
+def flip_a_byte(directory: Path) -> None:
+    path = directory / "model.vllm-fused"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def edit_manifest(directory: Path, change: Callable[[dict], object]) -> None:
@@ -72,6 +75,7 @@ def link_weights_out(directory: Path) -> None:
 
 BROKEN = [
     # (what is broken, how, what the refusal must say)
+    ("a flipped byte", flip_a_byte, r"model\.vllm-fused: bytes \d+\.\.\d+ do not match"),
     ("safetensors header", bad_header, r"model\.vllm-fused: safetensors header claims"),
     (
         "manifest not JSON",
@@ -136,6 +140,7 @@ def test_follow_refuses_each_broken_version_and_loads_the_next_good_one(
     assert number == final
     assert follower.wait(timeout=120) == 0, output.text()
     assert json.loads(client.hget(keys.nodes, "n1"))["version"] == final
+    assert client.zcard(keys.leases(final)) == 0  # released on exit
     assert "Traceback" not in output.text()
     assert watch.touched() == [], "follow opened a file outside the weights root"
     watch.close()
@@ -154,6 +159,18 @@ def env_for(server: RedisServer, cli_env: dict[str, str]) -> dict[str, str]:
     return {**cli_env, "WEIGHTCAST_REDIS_URL": server.url, "WEIGHTCAST_REDIS_RETRY_SECONDS": "180"}
 
 
+def deliver_until_exit(client: redis.Redis, keys: Keys, producer: subprocess.Popen[str]) -> None:
+    """Deliver and acknowledge batches as a trainer would, so that a producer held back by
+    ``--max-pending`` goes on, until it exits."""
+
+    def deliver() -> bool:
+        for _, entries in client.xreadgroup(TRAINER_GROUP, "drain", {keys.batches: ">"}) or []:
+            client.xack(keys.batches, TRAINER_GROUP, *(entry_id for entry_id, _ in entries))
+        return producer.poll() is not None
+
+    wait_for(deliver, 180, "produce to push every batch")
+
+
 def test_follow_produce_and_status_ride_out_a_redis_restart(
     own_redis: RedisServer, keys: Keys, tmp_path: Path, cli_env: dict[str, str]
 ) -> None:
@@ -164,13 +181,12 @@ def test_follow_produce_and_status_ride_out_a_redis_restart(
     follower, follow_out = start(
         env, "follow", "--node-id", "n1", "--poll-seconds", "0.2", "--metrics-port", str(port)
     )
-    producer, produce_out = start(
-        env, "produce", "--count", "40", "--interval", "0.2", "--max-pending", "0"
-    )
+    # Nothing delivers batches until Redis is back: produce is mid-run, held back after 4.
+    producer, produce_out = start(env, "produce", "--count", "12", "--max-pending", "4")
     watcher, watch_out = start(env, "status", "--watch", "0.2", "--json")
     deployment.publish()
     follow_out.wait_for(r"loaded version .*version=1\b")
-    produce_out.wait_for(r"pushed batch index=3\b")
+    produce_out.wait_for(r"pushed batch index=4\b")
     assert wait_for(lambda: healthz(port) == 200, 60, "follow's /healthz")
 
     own_redis.stop()  # SIGTERM: the AOF is flushed, as in an orderly restart
@@ -183,10 +199,11 @@ def test_follow_produce_and_status_ride_out_a_redis_restart(
     assert wait_for(lambda: healthz(port) == 200, 90, "/healthz 200 once Redis is back")
     deployment.publish()
     follow_out.wait_for(r"loaded version .*version=2\b", timeout=90)
-    assert producer.wait(timeout=180) == 0, produce_out.text()
+    deliver_until_exit(client, keys, producer)
+    assert producer.wait() == 0, produce_out.text()
     entries = client.xrange(keys.batches)
     indices = [json.loads(fields[b"meta"])["index"] for _, fields in entries]
-    assert sorted(indices) == list(range(1, 41))  # every batch once: none lost, none doubled
+    assert sorted(indices) == list(range(1, 13))  # every batch once: none lost, none doubled
     watch_out.wait_for(r'"latest": 2\b', timeout=60)
     assert json.loads(client.hget(keys.nodes, "n1"))["version"] == 2
     assert stop(follower) == 0 and stop(watcher, signal.SIGINT) == 0

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -229,6 +230,16 @@ def garble_header(directory: Path) -> None:
     path.write_bytes(bytes(data))
 
 
+def nest_header(directory: Path) -> None:
+    """A header of nothing but ``[``: JSON nested deeper than Python's recursion limit."""
+    path = directory / "model.vllm-fused"
+    data = bytearray(path.read_bytes())
+    (length,) = struct.unpack("<Q", data[:8])
+    assert length > sys.getrecursionlimit(), "the header must nest deeper than that"
+    data[8 : 8 + length] = b"[" * length
+    path.write_bytes(bytes(data))
+
+
 def first_tensor(header: dict) -> str:
     return next(name for name in header if name != "__metadata__")
 
@@ -260,6 +271,7 @@ MALFORMED_FILES = {
         lambda v: garble_header(v),
         r"model\.vllm-fused: safetensors header is not JSON",
     ),
+    "header nested too deep": (nest_header, r"model\.vllm-fused: safetensors header is not JSON"),
     "tensor of 2**62 elements": (
         lambda v: write_header(v, _changed(safetensors_prefix(v)[1], grow_shape)),
         r"model\.vllm-fused: .* end past the file",
@@ -274,6 +286,10 @@ MALFORMED_FILES = {
     ),
     "config not JSON": (
         lambda v: (v / "config.json").write_text("{'not': json"),
+        r"config\.json is not JSON",
+    ),
+    "config nested too deep": (
+        lambda v: (v / "config.json").write_text("[" * 100_000),
         r"config\.json is not JSON",
     ),
     "config not an object": (
@@ -307,6 +323,10 @@ def test_a_malformed_file_that_passes_its_digests_is_a_weights_error(
 MALFORMED_MANIFESTS = {
     "not JSON": (lambda v: (v / MANIFEST_NAME).write_text("{oops"), "not a valid manifest"),
     "a JSON list": (lambda v: (v / MANIFEST_NAME).write_text("[]"), "not a valid manifest"),
+    "nested too deep": (
+        lambda v: (v / MANIFEST_NAME).write_text("[" * 100_000),
+        "not a valid manifest",
+    ),
     "no tensors": (
         lambda v: edit_manifest(v, lambda m: m.pop("tensors")),
         r"not a valid manifest \(lacks 'tensors'\)",

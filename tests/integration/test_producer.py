@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -17,6 +18,8 @@ from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
 from weightcast.trainer.batch_source import BatchSource, SourceSettings
 
+from helpers import wait_for
+
 LIMITS = BatchLimits(vocab_size=1024, max_seq_len=16)
 
 
@@ -28,6 +31,21 @@ def good_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 
 def trainer_source(client: redis.Redis, keys: Keys) -> BatchSource:
     return BatchSource(client, keys, "trainer-0", LIMITS, SourceSettings(block_ms=100))
+
+
+def count_looks(producer: BatchProducer) -> Callable[[], int]:
+    """How often ``producer`` has counted the undelivered batches since: a push that waits
+    for room counts them again and again."""
+    looks = 0
+    count = producer.undelivered
+
+    def counted() -> int:
+        nonlocal looks
+        looks += 1
+        return count()
+
+    producer.undelivered = counted  # type: ignore[method-assign]
+    return lambda: looks
 
 
 def consume_one(source: BatchSource) -> str:
@@ -49,8 +67,10 @@ def test_push_blocks_at_the_limit_and_resumes_when_the_trainer_consumes(
     blocked = threading.Thread(
         target=lambda: (producer.push(good_batch(9), policy_version=0), pushed.set())
     )
+    looks = count_looks(producer)
     blocked.start()
-    assert not pushed.wait(1.0), "push went through with 3 batches undelivered"
+    wait_for(lambda: looks() >= 3, 30, "the push to look for room three times")
+    assert not pushed.is_set(), "push went through with 3 batches undelivered"
     assert client.xlen(keys.batches) == 3
     consume_one(trainer_source(client, keys))  # the trainer takes one: room for one more
     assert pushed.wait(30), "push stayed blocked after the trainer consumed a batch"
@@ -121,8 +141,9 @@ def test_async_producer_waits_without_blocking_the_event_loop(
     async def scenario() -> list[str]:
         producer = AsyncBatchProducer(redis_server.url, keys.namespace, max_pending=2, timeout=60)
         first = [await producer.push(good_batch(s), policy_version=0) for s in range(2)]
+        looks = count_looks(producer.producer)
         third = asyncio.create_task(producer.push(good_batch(5), policy_version=0))
-        await asyncio.sleep(0.5)
+        await asyncio.to_thread(wait_for, lambda: looks() >= 3, 30, "three looks for room")
         assert not third.done(), "push went through with 2 batches undelivered"
         consumed = await asyncio.to_thread(consume_one, source)  # the loop keeps running
         pushed = await asyncio.wait_for(third, 30)
@@ -145,13 +166,23 @@ def test_a_cancelled_async_push_adds_nothing(
             redis_server.url, keys.namespace, max_pending=1, timeout=60, poll=0.01
         )
         await producer.push(good_batch(0), policy_version=0)
+        returned: list[str | None] = []
+        push = producer.producer.push_unless_stopped
+
+        def recorded(*args: object) -> str | None:
+            returned.append(entry := push(*args))
+            return entry
+
+        producer.producer.push_unless_stopped = recorded  # type: ignore[method-assign]
+        looks = count_looks(producer.producer)
         waiting = asyncio.create_task(producer.push(good_batch(1), policy_version=0))
-        await asyncio.sleep(0.3)
+        await asyncio.to_thread(wait_for, lambda: looks() >= 2, 30, "the push to wait")
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        consume_one(trainer_source(client, keys))  # room now: a push still running would add
-        await asyncio.sleep(1.0)
+        await asyncio.to_thread(wait_for, lambda: returned, 30, "the push's thread to stop")
+        assert returned == [None]  # it gave up without adding, and can add nothing later
+        consume_one(trainer_source(client, keys))
         await producer.close()
 
     asyncio.run(scenario())

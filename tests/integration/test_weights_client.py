@@ -9,7 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,16 @@ from weightcast.contract.manifest import (
 )
 from weightcast.local.redis_server import RedisServer
 
-from helpers import REPO, SMALL_GQA, Deployment, hf_state, split_per_rank, weightcast
+from helpers import (
+    REPO,
+    SMALL_GQA,
+    Deployment,
+    hf_state,
+    redis_ms,
+    split_per_rank,
+    subscribers,
+    wait_for,
+)
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,
@@ -45,12 +54,17 @@ def deployment(
 def test_a_leased_version_outlives_newer_versions_until_released(deployment: Deployment) -> None:
     deployment.publish()
     deployment.publish()
-    reader = deployment.reader(lease_seconds=3.0)  # renewed by the client while held
+    reader = deployment.reader(lease_seconds=2.0)  # renewed by the client while held
+    leases = deployment.keys.leases(1)
     with reader.lease(1) as info:
+        first_expiry = deployment.client.zscore(leases, reader.node_id)
         for _ in range(3):
             deployment.publish()
-            time.sleep(1.5)  # held 4.5 s in all: alive only because it is renewed
-        # Three newer versions and several eviction passes later v1 is still whole.
+        wait_for(lambda: redis_ms(deployment.client) > first_expiry, 60, "the first expiry to pass")
+        # Past the lease's first expiry and three newer versions later, v1 is still whole:
+        # only because the client renewed the lease.
+        deployment.evictor.run()
+        assert deployment.client.zscore(leases, reader.node_id) > first_expiry
         assert 1 in deployment.registry.live_versions()
         manifest = reader.verify(info)
         assert len(reader.load(info)) == len(manifest.tensors)
@@ -71,38 +85,47 @@ def test_an_evicted_version_cannot_be_leased(deployment: Deployment) -> None:
 def test_the_lease_of_a_killed_reader_expires(
     deployment: Deployment, redis_server, keys: Keys
 ) -> None:
-    deployment.publish()
-    deployment.publish()
-    holder = subprocess.Popen(
+    holder = subprocess.Popen(  # started first: it imports while versions are published
         [
             sys.executable,
             "-c",
             textwrap.dedent(f"""
-        import time
+        import sys, time
         from weightcast.client.weights import WeightsClient
         client = WeightsClient(
             {redis_server.url!r}, {str(deployment.root / "weights")!r},
-            namespace={keys.namespace!r}, node_id="doomed-node", lease_seconds=5,
+            namespace={keys.namespace!r}, node_id="doomed-node", lease_seconds=2,
         )
+        sys.stdin.readline()
         with client.lease(1):
             print("leased", flush=True)
             time.sleep(600)
     """),
         ],
         cwd=REPO,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+    deployment.publish()
+    deployment.publish()
+    holder.stdin.write("lease v1\n")
+    holder.stdin.flush()
     assert holder.stdout.readline().strip() == "leased"
+    deployment.publish()  # v1 is no longer among the newest two: only the lease keeps it
+    assert 1 in deployment.registry.live_versions()
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    deployment.publish()
-    assert 1 in deployment.registry.live_versions()  # the lease has not expired yet
-    deadline = time.monotonic() + 20
-    while 1 in deployment.registry.live_versions():
-        assert time.monotonic() < deadline, "the dead reader's lease never expired"
-        time.sleep(0.2)
+    expiry = deployment.client.zscore(keys.leases(1), "doomed-node")  # renewed no more
+    passes: list[tuple[int, bool]] = []  # (Redis's clock after an eviction pass, v1 kept)
+
+    def evict() -> bool:
         deployment.evictor.run()
+        passes.append((redis_ms(deployment.client), 1 in deployment.registry.live_versions()))
+        return not passes[-1][1]
+
+    wait_for(evict, 60, "the dead reader's lease to expire")
+    assert all(kept for clock, kept in passes if clock < expiry), "evicted while leased"
     assert not (deployment.root / "weights" / "v1").exists()
 
 
@@ -134,16 +157,28 @@ def test_wait_for_newer_wakes_on_the_event_and_survives_a_lost_one(
     deployment: Deployment,
 ) -> None:
     reader = deployment.reader()
+    client, events = deployment.client, deployment.keys.events
     assert reader.wait_for_newer(0, timeout=0.3, poll=0.1) is None
-    publisher = threading.Timer(0.3, deployment.publish)
-    publisher.start()
-    start = time.monotonic()
-    assert reader.wait_for_newer(0, timeout=20, poll=10) == 1  # the pub/sub event wakes it
-    assert time.monotonic() - start < 8
-    publisher.join()  # its last Redis call may come after the event
-    # A version whose event never arrives (latest set without PUBLISH) is still found by polling.
-    deployment.client.set(deployment.keys.latest, 2)
-    assert reader.wait_for_newer(1, timeout=5, poll=0.2) == 2
+
+    def once_it_listens(change: Callable[[], object]) -> threading.Thread:
+        """Run ``change`` in a thread once the reader has subscribed to the events."""
+
+        def run() -> None:
+            wait_for(lambda: subscribers(client, events) > 0, 60, "the reader to subscribe")
+            change()
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    # It polls far less often than it may wait: only the pub/sub event can wake it.
+    publisher = once_it_listens(deployment.publish)
+    assert reader.wait_for_newer(0, timeout=120, poll=3600) == 1
+    publisher.join()
+    # A version whose event never arrives (latest set without PUBLISH) is found by polling.
+    silent = once_it_listens(lambda: client.set(deployment.keys.latest, 2))
+    assert reader.wait_for_newer(1, timeout=120, poll=0.2) == 2
+    silent.join()
 
 
 def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
@@ -222,32 +257,6 @@ def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
         reader.load(per_rank)
 
 
-@pytest.mark.slow
-def test_follow_skips_a_corrupted_version_and_loads_the_next(
-    deployment: Deployment, cli_env: dict[str, str]
-) -> None:
-    deployment.publish()
-    weights = deployment.root / "weights" / "v1" / FUSED_WEIGHTS_FILE
-    weights.write_bytes(weights.read_bytes()[:-1] + b"\0")
-    follower = subprocess.Popen(
-        weightcast("follow", "--node-id", "n1", "--poll-seconds", "0.2", "--until-version", "2"),
-        env={**cli_env, "WEIGHTCAST_WEIGHTS_DIR": str(deployment.root / "weights")},
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    for line in follower.stdout:
-        if "refusing version" in line:
-            assert FUSED_WEIGHTS_FILE in line
-            break
-    assert deployment.client.hget(deployment.keys.nodes, "n1") is None  # v1 never served
-    deployment.publish()
-    assert follower.wait(timeout=60) == 0
-    assert json.loads(deployment.client.hget(deployment.keys.nodes, "n1"))["version"] == 2
-    assert deployment.client.zcard(deployment.keys.leases(2)) == 0
-
-
 def test_the_async_client_leases_waits_and_reads_without_blocking_the_loop(
     deployment: Deployment,
 ) -> None:
@@ -264,16 +273,23 @@ def test_the_async_client_leases_waits_and_reads_without_blocking_the_loop(
 
     async def scenario() -> None:
         assert await reader.latest() == 0
-        waiting = asyncio.create_task(reader.wait_for_newer(0, timeout=30, poll=30))
-        await asyncio.sleep(0.2)
-        await asyncio.to_thread(deployment.publish)  # only the pub/sub event can wake it soon
-        assert await asyncio.wait_for(waiting, 10) == 1
+        events = deployment.keys.events
+        waiting = asyncio.create_task(reader.wait_for_newer(0, timeout=120, poll=3600))
+        await asyncio.to_thread(
+            wait_for, lambda: subscribers(deployment.client, events) > 0, 60, "the subscription"
+        )
+        await asyncio.to_thread(deployment.publish)  # only the pub/sub event can wake it
+        assert await waiting == 1
         await asyncio.to_thread(deployment.publish)
 
         async with reader.lease(1) as info:
-            for _ in range(3):  # 3 s held: alive only because the task renews the lease
+            first_expiry = deployment.client.zscore(deployment.keys.leases(1), "node-async")
+            for _ in range(3):
                 await asyncio.to_thread(deployment.publish)
-                await asyncio.sleep(1.0)
+            await asyncio.to_thread(
+                wait_for, lambda: redis_ms(deployment.client) > first_expiry, 60, "the expiry"
+            )
+            deployment.evictor.run()  # past the first expiry: kept because it was renewed
             assert 1 in deployment.registry.live_versions()
             manifest = await reader.verify(info)
             tensors = await reader.load(info)
@@ -289,11 +305,17 @@ def test_the_async_client_leases_waits_and_reads_without_blocking_the_loop(
         assert len(tensors) == len(manifest.tensors) == len(expected) == len(rank_tensors)
         assert all(torch.equal(rank_tensors[name], t) for name, t in tensors.items())
 
-        stuck = asyncio.create_task(reader.wait_for_newer(5, timeout=60))
-        await asyncio.sleep(0.2)
-        stuck.cancel()  # returns at once, not after 60 s
+        stuck = asyncio.create_task(reader.wait_for_newer(5, timeout=3600))
+        await asyncio.to_thread(
+            wait_for, lambda: subscribers(deployment.client, events) > 0, 60, "the subscription"
+        )
+        stuck.cancel()
         with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(stuck, 5)
+            await stuck
+        # Its thread stopped too (it unsubscribed), long before the hour it was given.
+        await asyncio.to_thread(
+            wait_for, lambda: subscribers(deployment.client, events) == 0, 60, "the thread"
+        )
         await reader.report_loaded(5)
         await reader.close()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import random
 import subprocess
 import time
@@ -24,7 +23,16 @@ from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
 
-from helpers import REPO, healthz, hf_state, publish_snapshot, shape_of, tmpfs, weightcast
+from helpers import (
+    healthz,
+    hf_state,
+    publish_snapshot,
+    run_env,
+    shape_of,
+    start_weightcast,
+    stop,
+    tmpfs,
+)
 
 SMALL = shape_of(4, 2, 8, hidden=16, inter=32)
 # About 95 MB in bf16: converting and fsyncing it takes long enough for kills to land in it.
@@ -45,14 +53,7 @@ class Daemon:
 
     def __init__(self, env: dict[str, str], log: Path, *args: str) -> None:
         self.log = log
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(
-                weightcast("publisher", *args),
-                env=env,
-                cwd=REPO,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
+        self.process = start_weightcast(env, log, "publisher", *args)
 
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -62,8 +63,7 @@ class Daemon:
         self.process.wait()
 
     def stop(self) -> int:
-        self.process.terminate()
-        return self.process.wait(timeout=30)
+        return stop(self.process, timeout=30)
 
     def text(self) -> str:
         return self.log.read_text()
@@ -79,16 +79,9 @@ def wait_for(condition: Callable[[], object], what: str, daemon: Daemon, timeout
 
 
 def env_for(url: str, keys: Keys, root: Path, **settings: object) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "WEIGHTCAST_REDIS_URL": url,
-        "WEIGHTCAST_NAMESPACE": keys.namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(root / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(root / "weights"),
-    }
-    env |= {f"WEIGHTCAST_PUBLISHER_{k.upper()}": str(v) for k, v in settings.items()}
-    return env
+    """:func:`run_env` with ``publisher.<setting>`` values."""
+    publisher = {f"WEIGHTCAST_PUBLISHER_{k.upper()}": str(v) for k, v in settings.items()}
+    return run_env(url, keys.namespace, root) | publisher
 
 
 def handled(client: redis.Redis, keys: Keys) -> dict[str, str]:
@@ -110,6 +103,13 @@ def assert_registered_versions_are_whole(
     if live:
         assert int(client.get(keys.latest)) == live[-1]
     return live
+
+
+def new_temp_dirs(weights: Path, before: set[Path]) -> list[Path]:
+    """Temp directories of conversions that were not there ``before``."""
+    if not weights.exists():
+        return []
+    return [p for p in weights.iterdir() if p.name.startswith(".tmp") and p not in before]
 
 
 def published_events(pubsub: redis.client.PubSub) -> list[dict]:
@@ -136,10 +136,16 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_or_duplicate_version(
     kills = 22
     for step in range(1, kills + 1):
         ids.append(snapshot_id(publish_snapshot(checkpoints, step, CRASH_SHAPE, state)))
+        before = set(weights.iterdir()) if weights.exists() else set()
         daemon = Daemon(env, tmp_path / f"publisher-{step}.log")
-        if step % 4 == 0:
-            time.sleep(rng.uniform(0.1, 2.0))  # while starting up
-        else:  # once it leads: scanning, converting, fsyncing, registering or evicting
+        if step % 4 == 0:  # a random moment of start-up
+            time.sleep(rng.uniform(0.1, 2.0))
+        elif step % 4 == 1:  # mid-conversion: its temp directory has appeared
+            wait_for(lambda b=before: new_temp_dirs(weights, b), "a conversion", daemon)
+        elif step % 4 == 2:  # registered: evicting, pruning, or already idle
+            wait_for(lambda: ids[-1] in handled(client, keys), "the registration", daemon)
+            time.sleep(rng.uniform(0.0, 0.3))
+        else:  # a random moment once it leads: scanning, converting, fsyncing, registering
             wait_for(lambda d=daemon: "became the active publisher" in d.text(), "lead", daemon)
             time.sleep(rng.uniform(0.0, 0.8))
         daemon.kill()
@@ -153,9 +159,9 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_or_duplicate_version(
                 if entry.name[1:] not in map(str, live)
                 else "live v"
             ] += 1
-    # The kills landed in every phase: mid-conversion (a temp directory), between the
-    # rename and the registration (a whole but unregistered v<N>), and after it. Nothing else
-    # is ever left: no partial v<N>, no stray file.
+    # Kills mid-conversion left temp directories, kills after a registration live versions
+    # (by construction, above); kills between the rename and the registration may leave a
+    # whole but unregistered v<N>. Nothing else is ever left: no partial v<N>, no stray file.
     assert set(left_behind) <= {".tmp", ".trash", "unregistered v", "live v"}, left_behind
     assert left_behind[".tmp"] >= 1 and left_behind["live v"] >= 1, left_behind
 
@@ -276,7 +282,8 @@ def run_with_a_full_disk(
     try:
         publish_snapshot(tmp_path / "checkpoints", 1, shape)
         wait_for(lambda: daemon.text().count("filesystem error") >= 3, "retries", daemon)
-        time.sleep(0.3)  # between two attempts (the back-off is now 2 s)
+        # The failed attempt removed its temp directory before it logged; the next one is
+        # 2 s away (its back-off).
         assert client.get(keys.latest) is None
         assert list(weights.iterdir()) == []  # the temp directory was removed
         assert "No space left on device" in daemon.text()

@@ -27,6 +27,7 @@ from helpers import (
     run_weightcast,
     start_weightcast,
     wait_for,
+    with_namespace,
     with_test_modules,
 )
 
@@ -51,11 +52,7 @@ def test_ten_sigkills_before_the_first_resume_checkpoint_lose_no_good_batch(
     count = 24
     config = config_file(tmp_path, NO_RESUME_CHECKPOINT)
     args = ("trainer", "--config", config, "--publish-every", "1000", "--steps", str(count))
-    reference_env = {
-        **cli_env,
-        "WEIGHTCAST_NAMESPACE": f"{keys.namespace}-ref",
-        "WEIGHTCAST_CHECKPOINT_DIR": str(tmp_path / "reference" / "checkpoints"),
-    }
+    reference_env = with_namespace(cli_env, tmp_path, "reference")
     push_batches(
         cli_env["WEIGHTCAST_REDIS_URL"], Keys(reference_env["WEIGHTCAST_NAMESPACE"]), count
     )

@@ -31,6 +31,7 @@ from helpers import (
     run_weightcast,
     wait_for,
     weightcast,
+    with_namespace,
     with_test_modules,
 )
 
@@ -130,11 +131,7 @@ def test_a_step_with_a_non_finite_loss_is_not_applied_and_training_goes_on(
     schedule untouched, so the final model is bit for bit the one of a run without it."""
     runs = {}
     for name, with_poison in (("poisoned", True), ("clean", False)):
-        env = {
-            **with_test_modules(cli_env),
-            "WEIGHTCAST_NAMESPACE": f"{keys.namespace}-{name}",
-            "WEIGHTCAST_CHECKPOINT_DIR": str(tmp_path / name / "checkpoints"),
-        }
+        env = with_namespace(with_test_modules(cli_env), tmp_path, name)
         run_keys = Keys(env["WEIGHTCAST_NAMESPACE"])
         url = env["WEIGHTCAST_REDIS_URL"]
         good = list(push_batches(url, run_keys, 2, prefix="a"))

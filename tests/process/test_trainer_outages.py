@@ -4,8 +4,6 @@ nothing, through real processes, a real redis-server with AOF and a real tmpfs."
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -24,23 +22,15 @@ from helpers import (
     heartbeat,
     pending,
     push_batches,
+    run_env,
     start_weightcast,
+    stop,
     tmpfs,
     wait_for,
 )
 
 OUTAGE_S = 3.0
 """How long Redis stays down: a restart, as an operator or an orchestrator does it."""
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def test_a_redis_restart_mid_run_loses_and_doubles_no_batch(keys: Keys, tmp_path: Path) -> None:
@@ -51,14 +41,7 @@ def test_a_redis_restart_mid_run_loses_and_doubles_no_batch(keys: Keys, tmp_path
     """
     server = RedisServer(tmp_path / "redis", appendonly=True).start()
     client = redis.Redis.from_url(server.url)
-    env = {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "WEIGHTCAST_REDIS_URL": server.url,
-        "WEIGHTCAST_NAMESPACE": keys.namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(tmp_path / "weights"),
-    }
+    env = run_env(server.url, keys.namespace, tmp_path)
     count = 30
     produced = list(push_batches(server.url, keys, count))
     port = free_port()

@@ -11,7 +11,9 @@ import torch
 
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import FUSED_FILE_SUFFIX
+from weightcast.contract.snapshots import read_complete
+from weightcast.publisher.dcp_load import load_tensors
+from weightcast.publisher.snapshots import Snapshot
 from weightcast.runtime.config import load_config, resume_dir
 from weightcast.trainer.job import build_job_config
 from weightcast.trainer.model import TRAIN_SPEC_NAME
@@ -23,6 +25,7 @@ from helpers import (
     push_batches,
     run_torchrun_trainer,
     run_weightcast,
+    with_namespace,
 )
 
 EXAMPLES = REPO / "examples"
@@ -40,13 +43,9 @@ def rollout(generator: torch.Generator, rows: int, trained: int) -> dict[str, to
     }
 
 
-def with_namespace(env: dict[str, str], tmp_path: Path, name: str) -> dict[str, str]:
-    return {
-        **env,
-        "WEIGHTCAST_NAMESPACE": f"{env['WEIGHTCAST_NAMESPACE']}-{name}",
-        "WEIGHTCAST_CHECKPOINT_DIR": str(tmp_path / name / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(tmp_path / name / "weights"),
-    }
+def raw(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes: equal bytes, not just equal values (-0.0 is not 0.0)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
 def test_micro_batches_accumulate_into_the_update_of_one_big_batch(
@@ -84,9 +83,13 @@ def test_micro_batches_accumulate_into_the_update_of_one_big_batch(
         torch.testing.assert_close(accumulated[key], one[key], rtol=1e-4, atol=1e-6)
 
 
-def test_fsdp_snapshot_publishes_the_same_bytes_as_a_single_process_one(
+def test_an_fsdp_snapshot_holds_the_same_tensors_as_a_single_process_one(
     cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
+    """The trainer's side of FSDP: two ranks snapshot exactly the weights one process does.
+    That the publisher turns a snapshot of two ranks' files into the same bytes as one of a
+    single file is tests/integration/test_converter.py's
+    ``test_a_snapshot_written_by_two_fsdp_ranks_converts_to_the_same_bytes``."""
     push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 1)
     single = run_weightcast(cli_env, "trainer", "--steps", "1")
     assert single.returncode == 0, single.stderr[-3000:]
@@ -96,27 +99,18 @@ def test_fsdp_snapshot_publishes_the_same_bytes_as_a_single_process_one(
     shutil.copytree(tmp_path / "checkpoints-resume", tmp_path / "fsdp" / "checkpoints-resume")
     ranks = run_torchrun_trainer(fsdp_env, 2, "--steps", "1")
     assert ranks.returncode == 0, ranks.stderr[-3000:]
-    snapshot = tmp_path / "fsdp" / "checkpoints" / "step-1"
-    assert sorted(p.name for p in snapshot.glob("*.safetensors")) == [  # one file per rank
+    snapshots = [tmp_path / "checkpoints" / "step-1", tmp_path / "fsdp" / "checkpoints" / "step-1"]
+    assert sorted(p.name for p in snapshots[1].glob("*.safetensors")) == [  # one file per rank
         "shard-00001-model-00001-of-00001.safetensors",
         "shard-00002-model-00001-of-00001.safetensors",
     ]
 
-    published = {}
-    for env, root in ((cli_env, tmp_path), (fsdp_env, tmp_path / "fsdp")):
-        result = run_weightcast(env, "publisher", "--once")
-        assert result.returncode == 0, result.stderr[-3000:]
-        (version,) = (root / "weights").iterdir()
-        published[root] = {
-            p.relative_to(version): p.read_bytes()
-            for p in sorted(version.rglob("*"))
-            if p.is_file() and p.name != "manifest.json"
-        }
-    single_files, fsdp_files = published.values()
-    assert any(name.suffix == FUSED_FILE_SUFFIX for name in single_files)
-    assert single_files.keys() == fsdp_files.keys()
-    for name in single_files:
-        assert single_files[name] == fsdp_files[name], f"{name} differs"
+    one, two = (load_tensors(Snapshot(path, read_complete(path))) for path in snapshots)
+    assert one.keys() == two.keys() and one
+    for name, tensor in one.items():
+        assert tensor.dtype == two[name].dtype and torch.equal(raw(tensor), raw(two[name])), name
+    configs = [(path / "config.json").read_bytes() for path in snapshots]
+    assert configs[0] == configs[1]
 
 
 @pytest.mark.parametrize("example", ["tiny-cpu.toml", "qwen3-0.6b-gpu.toml"])

@@ -1,7 +1,9 @@
-"""``weightcast up``: the main job, end to end, and its behaviour when a process fails."""
+"""``weightcast up``: the whole pipeline end to end (the one test that runs all of it), and its
+behaviour when a process fails or it is interrupted."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -9,7 +11,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import redis
 
+from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.contract.manifest import Manifest, sha256_file, verify_files
+from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import TrainerConfig
 
 from helpers import REPO, clean_env, run_weightcast, weightcast
@@ -32,22 +38,38 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 UP_STEPS = 30
+PUBLISH_EVERY = 2  # up's default
 
 
-def test_up_runs_an_rl_loop_whose_reward_rises(tmp_path: Path) -> None:
-    """The node samples from real versions, the trainer learns, the reward goes up.
+def test_up_runs_an_rl_loop_whose_reward_rises(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """The whole pipeline, once, through real processes: the node samples from real
+    versions, the trainer learns, the reward goes up; what it leaves in Redis and on disk is
+    whole and agrees with the operator's view.
 
-    A statistical check: with the fixed seeds the toy reward starts near 1/32 (uniform
-    sampling) and passes 0.3 within 30 steps on every run seen; a broken loop (wrong sign,
-    stale weights, misaligned logprobs) leaves it flat.
+    The reward is a statistical check: with the fixed seeds the toy reward starts near 1/32
+    (uniform sampling) and passes 0.3 within 30 steps on every run seen; a broken loop (wrong
+    sign, stale weights, misaligned logprobs) leaves it flat. ``up`` runs on the test's Redis
+    so that the registry can be read back (its private redis-server: the Ctrl-C test).
     """
-    env = clean_env()
+    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
     result = run_weightcast(
-        env, "up", "--steps", str(UP_STEPS), "--workdir", str(tmp_path), timeout=600
+        env,
+        "up",
+        "--steps",
+        str(UP_STEPS),
+        "--workdir",
+        str(tmp_path),
+        "--redis-url",
+        redis_server.url,
+        "--namespace",
+        keys.namespace,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
-    assert "started a private redis-server at redis://127.0.0.1:" in out
+    assert f"using {redis_server.url}, namespace {keys.namespace}" in out
     assert f"trained {UP_STEPS} steps" in out
     published = re.search(r"(\d+) versions published, (\d+) evicted, live: (.*)", out)
     assert published, out
@@ -56,10 +78,10 @@ def test_up_runs_an_rl_loop_whose_reward_rises(tmp_path: Path) -> None:
     # A snapshot every 2 steps: each one is published, or skipped under load and counted.
     skipped = re.search(r"snapshots skipped under load: (\d+) by the trainer .*, (\d+) by the", out)
     assert skipped, out
-    assert count + int(skipped[1]) + int(skipped[2]) == UP_STEPS // 2, out
+    assert count + int(skipped[1]) + int(skipped[2]) == UP_STEPS // PUBLISH_EVERY, out
     assert count >= UP_STEPS // 4, out  # skipping is the exception, not the rule
     assert live == [f"v{count - 1}", f"v{count}"]
-    assert f"the inference node loaded v{count};" in out
+    assert f"the inference node loaded v{count}; 0 batches dead-lettered" in out
     rows = re.findall(
         r"^  v(\d+)\s+(\d+|-)\s+(?:[\d.]+s|\(uniform start\))\s+(\d+)\s+([\d.]+|-)$",
         out,
@@ -67,7 +89,11 @@ def test_up_runs_an_rl_loop_whose_reward_rises(tmp_path: Path) -> None:
     )
     assert [int(v) for v, *_ in rows] == list(range(count + 1)), out  # v0 = uniform, then all
     steps = {int(v): int(step) for v, step, _, _ in rows[1:]}
-    assert steps[count] == UP_STEPS  # the last version holds the last step
+    # Every version registered once, in order, each from a newer snapshot; the last holds
+    # the last step.
+    assert list(steps.values()) == sorted(set(steps.values()))
+    assert all(step % PUBLISH_EVERY == 0 for step in steps.values())
+    assert steps[count] == UP_STEPS
 
     # Every trained batch carries a real version: 0 (uniform) or a version published before
     # the step that trained it.
@@ -98,7 +124,45 @@ def test_up_runs_an_rl_loop_whose_reward_rises(tmp_path: Path) -> None:
     early, late = mean_reward(versions[:third]), mean_reward(versions[-third:])
     assert early < 0.15 and late > 0.3 and late > 3 * early, out
     assert "mean reward:" in out
-    assert sorted(p.name for p in (run_dir / "weights").iterdir()) == live
+
+    # Exactly the two newest remain, in Redis and on disk; every evicted one is gone.
+    newest = [count - 1, count]
+    assert [int(v) for v in client.zrange(keys.versions, 0, -1)] == newest
+    assert int(client.get(keys.latest)) == count
+    weights = run_dir / "weights"
+    assert sorted(p.name for p in weights.iterdir()) == live
+    assert not any(client.exists(keys.version(v)) for v in range(1, count - 1))
+    # Every registered entry names a whole directory (relative to the weights directory)
+    # that matches its manifest, and its manifest's digest.
+    for version in newest:
+        fields = {k.decode(): v.decode() for k, v in client.hgetall(keys.version(version)).items()}
+        assert fields["path"] == f"v{version}"
+        manifest = Manifest.read(weights / fields["path"])
+        verify_files(weights / fields["path"], manifest)
+        assert sha256_file(weights / fields["path"] / "manifest.json") == fields["manifest_sha256"]
+        assert (manifest.version, manifest.step, manifest.tp, manifest.total_bytes) == (
+            version,
+            int(fields["step"]),
+            int(fields["tp"]),
+            int(fields["bytes"]),
+        )
+    # Every delivered batch was trained and acknowledged; handled snapshots were pruned to
+    # the newest two written.
+    assert int(client.hget(keys.trainer_heartbeat, "step")) == UP_STEPS
+    assert client.xpending(keys.batches, TRAINER_GROUP)["pending"] == 0
+    not_written = {int(s) for s in re.findall(r"snapshot skipped.* step=(\d+)", log)}
+    written = [s for s in range(PUBLISH_EVERY, UP_STEPS + 1, PUBLISH_EVERY) if s not in not_written]
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == sorted(f"step-{step}" for step in written[-2:])
+
+    # The operator's view agrees with what happened.
+    status = run_weightcast({**env, "WEIGHTCAST_NAMESPACE": keys.namespace}, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    view = json.loads(status.stdout)
+    assert view["latest"] == count
+    assert [v["version"] for v in view["versions"]] == newest
+    assert view["trainer"]["step"] == str(UP_STEPS)
+    assert (view["stream"]["pending"], view["stream"]["dead_letters"]) == (0, 0)
     assert processes_mentioning(str(run_dir)) == []
 
 
@@ -135,13 +199,16 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path: Path, sig: signal.Signa
         stderr=subprocess.STDOUT,
         text=True,
     )
+    started = ""
     for line in up.stdout:
+        started += line
         if re.search(r"published v\d+ ", line):  # every process is up, a version went through
             break
     up.send_signal(sig)
     code = up.wait(timeout=60)
     rest = up.stdout.read()
     assert code == 130, rest
+    assert "started a private redis-server at redis://127.0.0.1:" in started
     assert "interrupted: stopped every process weightcast up started" in rest
     (run_dir,) = tmp_path.iterdir()
     assert processes_mentioning(str(run_dir)) == []

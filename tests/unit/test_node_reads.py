@@ -1,12 +1,10 @@
-"""The pure parts of a node's reads: registered paths, safetensors headers, copying a rank's
-bytes out of read windows, and the registry entry."""
+"""The pure parts of a node's reads: registered paths, copying a rank's bytes out of read
+windows, and the registry entry (safetensors headers: tests/unit/test_tensorfile.py)."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import random
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +14,6 @@ import torch
 
 from weightcast.client.block_reads import Rect, copy_rect
 from weightcast.client.confine import registered_parts
-from weightcast.client.safetensors_header import header_bytes, parse_header
 from weightcast.client.versions import VersionInfo
 from weightcast.contract.errors import RedisFull, WeightsError
 from weightcast.runtime.retry import Outage, redis_full
@@ -44,62 +41,6 @@ def test_registered_paths_become_plain_names_below_the_root(path: str, parts: tu
 def test_registered_paths_that_escape_or_are_not_plain_are_refused(path: str) -> None:
     with pytest.raises(WeightsError, match="refusing to read it"):
         registered_parts(path, ROOT, ROOT)
-
-
-def header_of(entries: dict) -> bytes:
-    return json.dumps(entries).encode()
-
-
-def test_a_header_is_checked_against_the_file_before_anything_is_sized() -> None:
-    with pytest.raises(WeightsError, match="claims 4611686018427387904 bytes"):
-        header_bytes(struct.pack("<Q", 2**62), 10_000, "f")
-    with pytest.raises(WeightsError, match="too short"):
-        header_bytes(b"\0\0", 2, "f")
-    assert header_bytes(struct.pack("<Q", 100), 108, "f") == 100
-    with pytest.raises(WeightsError, match="claims 101 bytes"):
-        header_bytes(struct.pack("<Q", 101), 108, "f")
-
-
-@pytest.mark.parametrize(
-    ("entry", "message"),
-    [
-        ({"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 15]}, "hold 15 bytes"),
-        ({"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 2**82]}, "end past"),
-        ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}, "non-negative integers"),
-        ({"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}, "non-negative integers"),
-        ({"dtype": "F32", "shape": [1], "data_offsets": [8, 4]}, "hold -4 bytes"),
-        ({"dtype": "X", "shape": [1], "data_offsets": [0, 4]}, "unknown dtype"),
-        ({"dtype": "F32", "shape": [1]}, "two data_offsets"),
-        ([1, 2], "is not an object"),
-    ],
-)
-def test_a_header_entry_must_describe_bytes_inside_the_file(entry: object, message: str) -> None:
-    text = header_of({"t": entry})
-    with pytest.raises(WeightsError, match=message):
-        parse_header(text, 8 + len(text) + 64, "f")
-
-
-def test_a_good_header_gives_absolute_spans() -> None:
-    text = header_of(
-        {
-            "__metadata__": {"format": "pt"},
-            "a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
-            "b": {"dtype": "F32", "shape": [], "data_offsets": [12, 16]},
-        }
-    )
-    spans = parse_header(text, 8 + len(text) + 16, "f")
-    assert (spans["a"].start, spans["a"].stop) == (8 + len(text), 8 + len(text) + 12)
-    assert spans["a"].dtype_name == "bfloat16" and spans["b"].shape == ()
-    with pytest.raises(WeightsError, match="not JSON"):
-        parse_header(b"\xff{", 100, "f")
-    overlapping = header_of(
-        {
-            "a": {"dtype": "U8", "shape": [8], "data_offsets": [0, 8]},
-            "b": {"dtype": "U8", "shape": [4], "data_offsets": [6, 10]},
-        }
-    )
-    with pytest.raises(WeightsError, match="entries 'a' and 'b' overlap"):
-        parse_header(overlapping, 8 + len(overlapping) + 10, "f")
 
 
 def test_copying_a_rect_window_by_window_gives_the_rect() -> None:

@@ -11,7 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightcast.contract.tensorfile import HeaderError, encode_header, file_order, read_header
+from weightcast.contract.tensorfile import (
+    HeaderError,
+    encode_header,
+    file_order,
+    header_length,
+    parse_header,
+    read_header,
+)
 
 
 def header_of(path: Path):
@@ -54,16 +61,29 @@ ENTRY = {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}
 @pytest.mark.parametrize(
     ("header", "data", "length", "error"),
     [
-        (b"", b"", 10**12, "impossible"),
+        (b"", b"", 10**12, "header claims 1000000000000 bytes"),
         (b"{not json", b"", None, "not JSON"),
+        (b"[" * 100_000, b"", None, "not JSON"),  # a RecursionError, not a crash
+        (b"\xff{", b"", None, "not JSON"),
         (b"[1, 2]", b"", None, "not a JSON object"),
-        ({"t": {**ENTRY, "dtype": "Q7"}}, bytes(8), None, "unknown dtype"),
-        ({"t": {**ENTRY, "shape": [2, -2]}}, bytes(8), None, "bad shape"),
-        ({"t": {**ENTRY, "data_offsets": [0, 6]}}, bytes(6), None, "needs 8"),
+        ({"t": [1, 2]}, bytes(8), None, "entry 't' is not an object"),
+        ({"t": {**ENTRY, "dtype": "Q7"}}, bytes(8), None, "unknown dtype 'Q7'"),
+        ({"t": {**ENTRY, "dtype": ["F32"]}}, bytes(8), None, "unknown dtype"),
+        ({"t": {**ENTRY, "shape": [2, -2]}}, bytes(8), None, "non-negative integers"),
+        ({"t": {**ENTRY, "shape": [True, 8]}}, bytes(8), None, "non-negative integers"),
+        ({"t": {"dtype": "BF16", "shape": [4]}}, bytes(8), None, "two data_offsets"),
+        ({"t": {**ENTRY, "data_offsets": [0, 6]}}, bytes(6), None, "hold 6 bytes.* needs 8"),
+        ({"t": {**ENTRY, "data_offsets": [8, 0]}}, bytes(8), None, "hold -8 bytes"),
+        (
+            {"t": {**ENTRY, "shape": [2**40, 2**40], "data_offsets": [0, 2**81]}},
+            bytes(8),
+            None,
+            "end past the file",
+        ),
         ({"t": ENTRY, "u": {**ENTRY, "data_offsets": [10, 18]}}, bytes(18), None, "hole"),
         ({"t": ENTRY, "u": {**ENTRY, "data_offsets": [4, 12]}}, bytes(12), None, "overlap"),
-        ({"t": ENTRY}, bytes(9), None, "the header describes"),
-        ({"t": ENTRY}, bytes(7), None, "the header describes"),
+        ({"t": ENTRY}, bytes(9), None, r"\d+ bytes, its safetensors header describes \d+ "),
+        ({"t": ENTRY}, bytes(7), None, "end past the file"),
         ({"__metadata__": {"k": 1}, "t": ENTRY}, bytes(8), None, "strings to strings"),
     ],
 )
@@ -71,11 +91,37 @@ def test_malformed_headers_are_refused_with_the_reason(
     tmp_path: Path, header: object, data: bytes, length: int | None, error: str
 ) -> None:
     path = raw_file(tmp_path / "bad.safetensors", header, data, length)
-    with pytest.raises(HeaderError, match=error):
+    with pytest.raises(HeaderError, match=f"bad.safetensors: .*{error}"):
         header_of(path)
 
 
-def test_a_file_too_short_for_a_header_is_refused(tmp_path: Path) -> None:
-    (tmp_path / "short").write_bytes(b"\x01\x02")
-    with pytest.raises(HeaderError, match="too short"):
-        header_of(tmp_path / "short")
+def test_the_length_is_checked_against_the_file_before_anything_is_sized() -> None:
+    with pytest.raises(HeaderError, match="claims 4611686018427387904 bytes"):
+        header_length(struct.pack("<Q", 2**62), 10_000, "f")
+    with pytest.raises(HeaderError, match="claims 100000001 bytes"):  # safetensors' own limit
+        header_length(struct.pack("<Q", 100_000_001), 200_000_000, "f")
+    assert header_length(struct.pack("<Q", 100), 108, "f") == 100
+    with pytest.raises(HeaderError, match="claims 101 bytes"):
+        header_length(struct.pack("<Q", 101), 108, "f")
+    with pytest.raises(HeaderError, match="2 bytes, too short"):
+        header_length(b"\1\2", 2, "f")
+
+
+def test_a_good_header_gives_spans_in_file_order_from_the_bytes_alone() -> None:
+    """What a node parses: header bytes it has verified, and the file's size."""
+    text = json.dumps(
+        {
+            "__metadata__": {"format": "pt"},
+            "b": {"dtype": "F32", "shape": [], "data_offsets": [12, 16]},
+            "a": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]},
+            "empty": {"dtype": "F32", "shape": [0, 4], "data_offsets": [16, 16]},
+        }
+    ).encode()
+    header = parse_header(text, 8 + len(text) + 16, "f")
+    start = 8 + len(text)
+    assert header.metadata == {"format": "pt"} and header.data_start == start
+    assert [(s.name, s.dtype, s.shape, s.start, s.stop) for s in header.tensors] == [
+        ("a", "BF16", (2, 3), start, start + 12),
+        ("b", "F32", (), start + 12, start + 16),
+        ("empty", "F32", (0, 4), start + 16, start + 16),
+    ]
