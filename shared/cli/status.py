@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import redis
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.contract.untrusted import json_object
 from weightcast.runtime.retry import REDIS_DOWN, Outage
 
 HEARTBEAT_ORDER = ("step", "run_id", "consumer", "last_snapshot")
@@ -58,19 +59,23 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
     latest = int(client.get(keys.latest) or 0)
     nodes = {}
     for node, value in client.hgetall(keys.nodes).items():
-        entry = json.loads(value)
-        age = round(now - float(entry["at"]), 1)
+        try:
+            entry = json_object(value, "its entry", ValueError)
+            version, at = int(entry["version"]), float(entry["at"])
+        except (ValueError, KeyError, TypeError) as exc:  # not what a node writes
+            version, at, entry = 0, now, {"error": f"unreadable entry in {keys.nodes}: {exc}"}
+        age = round(now - at, 1)
         stale = []
         if age > stale_seconds:
             stale.append(f"no report for {age:.0f}s")
-        if entry["version"] not in live:
-            stale.append(f"v{entry['version']} was evicted")
-        nodes[node.decode()] = {
-            "version": entry["version"],
+        if version not in live:
+            stale.append(f"v{version} was evicted")
+        nodes[node.decode(errors="replace")] = {
+            "version": version,
             "age_s": age,
-            "behind": max(0, latest - entry["version"]),
+            "behind": max(0, latest - version),
             "stale": "; ".join(stale),
-            "error": entry.get("error", ""),
+            "error": str(entry.get("error", "")),
         }
     heartbeat: dict[str, Any] = {
         k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()
@@ -95,13 +100,17 @@ def _publisher_status(client: redis.Redis, keys: Keys, now: float) -> dict[str, 
     leader = client.get(keys.publisher_leader)
     quarantined = []
     for name, value in client.hgetall(keys.quarantine).items():
-        entry = json.loads(value)
+        try:
+            entry = json_object(value, "its entry", ValueError)
+            at = float(entry.get("at", now))
+        except (ValueError, TypeError) as exc:  # not what a publisher writes
+            entry, at = {"reason": f"unreadable entry in {keys.quarantine}: {exc}"}, now
         quarantined.append(
             {
-                "snapshot": name.decode(),
+                "snapshot": name.decode(errors="replace"),
                 "step": entry.get("step"),
-                "reason": entry.get("reason", ""),
-                "age_s": round(now - float(entry.get("at", now)), 1),
+                "reason": str(entry.get("reason", "")),
+                "age_s": round(now - at, 1),
             }
         )
     quarantined.sort(key=lambda q: q["age_s"])

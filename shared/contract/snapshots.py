@@ -29,13 +29,13 @@ blocks, no gap, no overlap) is the reader's check.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from weightcast.contract.durable import write_json
+from weightcast.contract.untrusted import json_object
 
 SNAPSHOT_PREFIX = "step-"
 TMP_PREFIX = ".tmp-"
@@ -84,9 +84,7 @@ class SnapshotInfo:
     @classmethod
     def read(cls, directory: Path) -> SnapshotInfo:
         """Parse ``weightcast.json``; ValueError or TypeError when it is not one."""
-        raw = json.loads((directory / INFO_NAME).read_text())
-        if not isinstance(raw, dict):
-            raise ValueError("not a JSON object")
+        raw = json_object((directory / INFO_NAME).read_bytes(), INFO_NAME, ValueError)
         raw.setdefault("format", FORMAT_DCP_TORCH_SAVE)
         if raw["format"] not in FORMATS:
             raise ValueError(

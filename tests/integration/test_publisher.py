@@ -17,6 +17,7 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.snapshots import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
+    INFO_NAME,
     SnapshotInfo,
 )
 from weightcast.contract.tensorfile import read_header
@@ -119,6 +120,11 @@ def not_a_number(path: Path) -> None:
         f.write(b"\xc0\x7f")  # bf16 NaN
 
 
+def deep_info(path: Path) -> None:
+    """``weightcast.json`` nested past Python's recursion limit (json raises RecursionError)."""
+    (path / INFO_NAME).write_text("[" * 100_000)
+
+
 DAMAGE = {
     truncate_data: {
         FORMAT_DCP_TORCH_SAVE: "truncated",
@@ -133,6 +139,7 @@ DAMAGE = {
     wrong_shapes: "up_proj.weight has shape [31, 16]; the config implies [32, 16]",
     missing_tensor: "k_proj.weight has no partner to fuse with",
     not_a_number: "non-finite weights: model.norm.weight holds NaN",
+    deep_info: "weightcast.json unreadable: weightcast.json is not JSON",
 }
 
 

@@ -86,6 +86,22 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
     assert "2 in stream, 2 undelivered, 0 pending, 0 dead-lettered" in table
 
 
+def test_entries_no_node_or_publisher_wrote_are_shown_not_fatal(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys
+) -> None:
+    client.hset(keys.nodes, "node-garbage", "[" * 100_000)  # past the recursion limit
+    client.hset(keys.nodes, "node-partial", json.dumps({"version": "two"}))
+    client.hset(keys.quarantine, "step-7", "not json")
+    view = json.loads(run_weightcast(cli_env, "status", "--json").stdout)
+    table = run_weightcast(cli_env, "status").stdout
+    for node in ("node-garbage", "node-partial"):
+        assert view["nodes"][node]["error"].startswith(f"unreadable entry in {keys.nodes}")
+        assert f"{node}: v0" in table
+    (quarantined,) = view["publisher"]["quarantined"]
+    assert quarantined["snapshot"] == "step-7"
+    assert quarantined["reason"].startswith(f"unreadable entry in {keys.quarantine}")
+
+
 def test_watch_redraws_in_place_until_interrupted(cli_env: dict[str, str]) -> None:
     for extra, marker in (([], CLEAR), (["--json"], '{"namespace"')):
         watcher = subprocess.Popen(
