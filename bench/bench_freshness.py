@@ -56,7 +56,7 @@ from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import REPO, SHAPES, hf_config, hf_shapes, publisher_env, settle
+from bench_publisher import REPO, SHAPES, hf_config, publisher_env, random_state, settle
 
 STAGES = ("snapshot", "publish", "node", "total", "floor_write", "floor_read", "floor")
 
@@ -102,13 +102,7 @@ class Weights(nn.Module):
 
 
 def random_model(shape: str) -> Weights:
-    gen = torch.Generator().manual_seed(0)
-    return Weights(
-        {
-            name: torch.empty(size, dtype=torch.bfloat16).normal_(generator=gen)
-            for name, size in hf_shapes(SHAPES[shape]).items()
-        }
-    )
+    return Weights(random_state(SHAPES[shape]))
 
 
 def raw_write(model: Weights, path: Path) -> float:

@@ -97,13 +97,28 @@ def hf_shapes(s: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+POOL_ELEMENTS = 16 * 1024 * 1024
+
+
+def random_state(s: dict) -> dict[str, torch.Tensor]:
+    """Random bf16 tensors under the shape's HF names: normal values, cycled from a pool of
+    32 MiB (drawing 8 billion of them one by one would take minutes)."""
+    pool = torch.empty(POOL_ELEMENTS, dtype=torch.bfloat16)
+    pool.normal_(generator=torch.Generator().manual_seed(0))
+    state = {}
+    for name, size in hf_shapes(s).items():
+        tensor = torch.empty(size, dtype=torch.bfloat16)
+        flat = tensor.view(-1)
+        for at in range(0, flat.numel(), POOL_ELEMENTS):
+            count = min(POOL_ELEMENTS, flat.numel() - at)
+            flat[at : at + count].copy_(pool[:count])
+        state[name] = tensor
+    return state
+
+
 def write_template(path: Path, s: dict, format: str) -> tuple[int, tuple[SnapshotFile, ...]]:
     """A random bf16 snapshot in HF names; the bytes of its data files and their listing."""
-    gen = torch.Generator().manual_seed(0)
-    state = {
-        name: torch.empty(size, dtype=torch.bfloat16).normal_(generator=gen)
-        for name, size in hf_shapes(s).items()
-    }
+    state = random_state(s)
     path.mkdir(parents=True)
     files: tuple[SnapshotFile, ...] = ()
     if format == FORMAT_DCP_SAFETENSORS:
@@ -253,7 +268,7 @@ def main() -> None:
     results = []
     with RedisServer(root / "redis") as server:
         for name in args.shapes:
-            r = bench_shape(name, max(3, args.rounds), root, server, args)
+            r = bench_shape(name, args.rounds, root, server, args)
             results.append(r)
             print(
                 f"{name:>6} {r['bytes'] / 1e9:6.2f} {r['cp_fsync_s']:10.3f} {r['publish_s']:10.3f} "
