@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import platform
 import shutil
@@ -56,7 +55,15 @@ from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import REPO, SHAPES, hf_config, publisher_env, random_state, settle
+from bench_publisher import (
+    REPO,
+    SHAPES,
+    cold_read,
+    hf_config,
+    publisher_env,
+    random_state,
+    settle,
+)
 
 STAGES = ("snapshot", "publish", "node", "total", "floor_write", "floor_read", "floor")
 
@@ -119,25 +126,6 @@ def raw_write(model: Weights, path: Path) -> float:
     finally:
         os.close(fd)
     return time.perf_counter() - start
-
-
-def cold_read(path: Path) -> float:
-    """Drop the file's pages, then read it into fresh memory; the seconds."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        size = os.fstat(fd).st_size
-        start = time.perf_counter()
-        buffer = mmap.mmap(-1, size)
-        view, done = memoryview(buffer), 0
-        while done < size:
-            done += os.preadv(fd, [view[done:]], done)
-        seconds = time.perf_counter() - start
-        view.release()
-        buffer.close()
-        return seconds
-    finally:
-        os.close(fd)
 
 
 def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> dict:

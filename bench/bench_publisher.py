@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -155,6 +156,25 @@ def raw_copy(template: Path, target: Path) -> float:
         fsync_path(dst)
     fsync_path(target)
     return time.perf_counter() - start
+
+
+def cold_read(path: Path) -> float:
+    """Drop the file's pages, then read it into fresh memory; the seconds."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = os.fstat(fd).st_size
+        start = time.perf_counter()
+        buffer = mmap.mmap(-1, size)
+        view, done = memoryview(buffer), 0
+        while done < size:
+            done += os.preadv(fd, [view[done:]], done)
+        seconds = time.perf_counter() - start
+        view.release()
+        buffer.close()
+        return seconds
+    finally:
+        os.close(fd)
 
 
 def publisher_env(url: str, keys: Keys, checkpoints: Path, weights: Path) -> dict[str, str]:
