@@ -1,14 +1,33 @@
-"""End-to-end freshness: from a snapshot's rename to every node holding its weights on device.
+"""End-to-end freshness: trainer snapshot start -> version registered -> a tp-T node loaded.
 
-A real publisher daemon and ``--nodes`` node processes (each a ``WeightsClient``: wait for a
-newer version, lease it, read and verify tp rank 0's tensors, copy them to ``--device``,
-synchronize, report ``{wc}:nodes``) run against a private redis-server. Each round renames a
-new snapshot into the checkpoint directory (linked from a template, pages warm, as one the
-trainer has just written) and waits until every node reports that version. Printed: medians
-over the rounds of the time to the ``published`` event and to the last node's report, with
-the spread. ``--device cpu`` is the dry mode for machines without a GPU.
+For each tp T, a private redis-server, the real publisher daemon (``weightcast publisher
+--tp T``, a separate process) and one inference node: T worker processes, one per
+tensor-parallel rank as vLLM runs them, each doing what weightcast's vLLM backend does
+before it touches the model (:func:`weightcast.client.vllm.staging.stage`: lease the
+version, verify and read its rank's part through ``WeightsClient.rank_tensors``, the node's
+workers sharing one verification record), then copying the part to ``--device``
+(synchronized) and reporting the version in ``{wc}:nodes``. Each round, in this process, the
+trainer's own :class:`~weightcast.trainer.snapshot.SnapshotWriter` takes a snapshot of a
+random bf16 Qwen3-shaped model (copy to host buffers, background DCP write in
+``dcp-safetensors/1``, fsync, rename), as the training loop does, and the clock runs from
+``SnapshotWriter.start`` to the last worker's report. Stages: ``snapshot`` (start -> the
+rename), ``publish`` (rename -> registered: the registry's ``created_at``), ``node``
+(registered -> the last rank loaded).
 
-    .venv/bin/python bench/bench_freshness.py --shape 0.6B --nodes 2 --device cuda
+The floor, measured in the same round just before: one raw write of the model's bytes from
+memory (one file, fsync) and one raw read of them, cold (``posix_fadvise(DONTNEED)`` after
+the fsync), into fresh memory. A version goes through the disk twice more than the floor
+(the trainer's snapshot, then the publisher's copy) and is read once.
+
+Why one node per tp and not four nodes on one version: a ``vllm-fused`` version is cut for
+one tp (its fused qkv and gate_up rows are ordered per rank), and a vLLM engine at another
+tp refuses it; nodes at several tps take one publisher each (or the ``hf`` layout, where
+every worker reads every tensor whole). Each tp's rounds run with only that tp's processes
+up. The first round of each tp (imports, first allocation of the staging buffers) is a
+warm-up and is not counted. Medians over the rounds, the spread of the per-round ratios.
+
+    .venv/bin/python bench/bench_freshness.py                           # 0.6B, tp 1 2 4 8
+    .venv/bin/python bench/bench_freshness.py --shape 0.6B --tp 1 8 --device cuda
 """
 
 from __future__ import annotations
@@ -16,149 +35,251 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import redis
+import torch
+from torch import nn
 
 from weightcast.contract.keys import Keys
-from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import REPO, SHAPES, publisher_env, settle, write_template
+from bench_publisher import (
+    REPO,
+    SHAPES,
+    cold_read,
+    hf_config,
+    publisher_env,
+    random_state,
+    settle,
+)
+
+STAGES = ("snapshot", "publish", "node", "total", "floor_write", "floor_read", "floor")
 
 
-def node(args: argparse.Namespace) -> None:
-    """One inference node: load every new version onto the device, then report it."""
-    import torch
-
+def worker(args: argparse.Namespace) -> None:
+    """One vLLM-like worker: rank ``args.rank`` of a tp ``args.node_tp`` node."""
+    from weightcast.client.vllm.protocol import Source
+    from weightcast.client.vllm.staging import stage
     from weightcast.client.weights import WeightsClient
+    from weightcast.contract.layout import ModelShape
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    tp = args.node_tp
+    node = f"node-tp{tp}"
+    source = Source(
+        args.redis_url, args.namespace, Path(args.weights_dir), node, Path(args.verified_dir)
+    )
+    shape = ModelShape.from_hf_config(hf_config(SHAPES[args.shape]))
+    reporter = f"{node}-rank{args.rank}"
     client = WeightsClient(
-        args.redis_url, args.weights_dir, namespace=args.namespace, node_id=args.node_id
+        args.redis_url, args.weights_dir, namespace=args.namespace, node_id=reporter
     )
     version = 0
-    while True:
-        newer = client.wait_for_newer(version, timeout=600)
-        if newer is None:
-            return
-        with client.lease(newer) as info:
-            tensors = {
-                name: tensor.to(args.device, non_blocking=True)
-                for name, tensor in client.rank_tensors(info, 0, 1).items()
-            }
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
+    while (newer := client.wait_for_newer(version, timeout=3600)) is not None:
+        staged = stage(source, newer, args.rank, tp, shape)
+        on_device = [p.tensor.to(args.device, non_blocking=True) for p in staged.parts]
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
         client.report_loaded(newer)
-        del tensors
+        del staged, on_device
         version = newer
+
+
+class Weights(nn.Module):
+    """A model whose state dict is already HF-named (the writer's ``to_hf`` is the identity)."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.hf = state
+
+    def state_dict(self, *args: object, **kwargs: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return self.hf
+
+
+def random_model(shape: str) -> Weights:
+    return Weights(random_state(SHAPES[shape]))
+
+
+def raw_write(model: Weights, path: Path) -> float:
+    """Write every tensor's bytes into one new file, fsync it; the seconds."""
+    start = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for tensor in model.hf.values():
+            data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
+
+
+def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> dict:
+    import weightcast.trainer.snapshot as snapshot_module
+    from weightcast.trainer.snapshot import SnapshotWriter
+
+    work = root / f"tp{tp}"
+    checkpoints, weights, record = work / "checkpoints", work / "weights", work / "verified"
+    for directory in (checkpoints, weights, record):
+        directory.mkdir(parents=True)
+    keys = Keys(f"fresh-{uuid.uuid4().hex[:6]}")
+    renamed: list[float] = []
+    publish_dir = snapshot_module.publish_dir
+
+    def timed_publish_dir(tmp: Path, final: Path) -> None:
+        publish_dir(tmp, final)
+        renamed.append(time.time())
+
+    snapshot_module.publish_dir = timed_publish_dir
+    writer = SnapshotWriter(checkpoints, lambda s: s, hf_config(SHAPES[args.shape]), "bench", "run")
+    processes: list[subprocess.Popen] = []
+    log = open(work / "processes.log", "wb")  # noqa: SIM115 (closed below)
+    rows: list[dict[str, float]] = []
+    with RedisServer(work / "redis") as server:
+        client = redis.Redis.from_url(server.url)
+        env = publisher_env(server.url, keys, checkpoints, weights)
+        daemon = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(tp), "--keep", "1"]
+        processes.append(subprocess.Popen(daemon, env=env, cwd=REPO, stdout=log, stderr=log))
+        for rank in range(tp):
+            command = [sys.executable, __file__, "--worker", "--rank", str(rank)]
+            command += ["--node-tp", str(tp)]
+            command += ["--redis-url", server.url, "--namespace", keys.namespace]
+            command += ["--weights-dir", str(weights), "--verified-dir", str(record)]
+            command += ["--shape", args.shape, "--device", args.device]
+            processes.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log))
+
+        def alive() -> None:
+            if any(p.poll() is not None for p in processes):
+                log.flush()
+                raise RuntimeError((work / "processes.log").read_text()[-4000:])
+
+        try:
+            for step in range(1, args.rounds + 2):  # the first round is a warm-up
+                floor_file = work / "floor"
+                floor_write = raw_write(model, floor_file)
+                floor_read = cold_read(floor_file)
+                floor_file.unlink()
+                settle()
+                previous = int(client.get(keys.latest) or 0)
+                start = time.time()
+                writer.start(model, step)
+                while int(client.get(keys.latest) or 0) <= previous:
+                    alive()
+                    time.sleep(0.005)
+                writer.wait()
+                version = int(client.get(keys.latest))
+                registered = float(client.hget(keys.version(version), "created_at"))
+                while True:
+                    reports = [json.loads(v) for v in client.hvals(keys.nodes)]
+                    done = [r["at"] for r in reports if r["version"] >= version]
+                    if len(done) == tp:
+                        break
+                    alive()
+                    time.sleep(0.005)
+                loaded = max(done)
+                row = {
+                    "snapshot": renamed[-1] - start,
+                    "publish": registered - renamed[-1],
+                    "node": loaded - registered,
+                    "total": loaded - start,
+                    "floor_write": floor_write,
+                    "floor_read": floor_read,
+                    "floor": floor_write + floor_read,
+                    "load": os.getloadavg()[0],
+                }
+                if step > 1:
+                    rows.append(row)
+                shutil.rmtree(checkpoints / f"step-{step - 1}", ignore_errors=True)
+                print(
+                    f"tp {tp} round {step - 1}{' (warm-up)' if step == 1 else ''}: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
+                    flush=True,
+                )
+        finally:
+            snapshot_module.publish_dir = publish_dir
+            for process in processes:
+                process.terminate()
+            for process in processes:
+                process.wait(timeout=60)
+            log.close()
+    shutil.rmtree(work, ignore_errors=True)
+    ratios = [r["total"] / r["floor"] for r in rows]
+    return {
+        "tp": tp,
+        **{stage: statistics.median(r[stage] for r in rows) for stage in STAGES},
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "load": [min(r["load"] for r in rows), max(r["load"] for r in rows)],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="0.6B", choices=SHAPES)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dir", type=Path, default=None)
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--node", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="where the nodes put the weights")
+    parser.add_argument("--dir", type=Path, default=None, help="work directory (default: /tmp)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--node-tp", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
     parser.add_argument("--namespace", help=argparse.SUPPRESS)
-    parser.add_argument("--node-id", help=argparse.SUPPRESS)
     parser.add_argument("--weights-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--verified-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.node:
-        node(args)
+    if args.worker:
+        worker(args)
         return
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # dcp.save
     root = Path(tempfile.mkdtemp(prefix="wc-fresh-", dir=args.dir))
-    checkpoints, weights, template = root / "checkpoints", root / "weights", root / "template"
-    checkpoints.mkdir()
-    weights.mkdir()
-    nbytes, files = write_template(template, SHAPES[args.shape], FORMAT_DCP_SAFETENSORS)
-    keys = Keys(f"fresh-{uuid.uuid4().hex[:6]}")
-    processes: list[subprocess.Popen] = []
-    published, loaded = [], []
-    with RedisServer(root / "redis") as server:
-        client = redis.Redis.from_url(server.url)
-        env = publisher_env(server.url, keys, checkpoints, weights)
-        log = open(root / "daemons.log", "wb")  # noqa: SIM115 (closed below)
-        daemon = [sys.executable, "-m", "weightcast", "publisher", "--keep", "2"]
-        processes.append(subprocess.Popen(daemon, env=env, cwd=REPO, stdout=log, stderr=log))
-        for i in range(args.nodes):
-            command = [sys.executable, __file__, "--node", "--redis-url", server.url]
-            command += ["--namespace", keys.namespace, "--node-id", f"node-{i}"]
-            command += ["--weights-dir", str(weights), "--device", args.device]
-            processes.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log))
-        try:
-            while not client.get(keys.publisher_leader):
-                assert processes[0].poll() is None, (root / "daemons.log").read_text()
-                time.sleep(0.1)
-            for step in range(1, args.rounds + 1):
-                tmp = checkpoints / f".tmp-step-{step}"
-                shutil.copytree(template, tmp, copy_function=os.link)
-                info = SnapshotInfo(
-                    uuid.uuid4().hex,
-                    "fresh",
-                    step,
-                    time.time(),
-                    "bfloat16",
-                    args.shape,
-                    FORMAT_DCP_SAFETENSORS,
-                    files,
-                )
-                info.write(tmp)
-                settle()
-                start = time.time()
-                os.rename(tmp, checkpoints / f"step-{step}")
-                while not client.get(keys.latest) or int(client.get(keys.latest)) < step:
-                    assert all(p.poll() is None for p in processes), (
-                        root / "daemons.log"
-                    ).read_text()
-                    time.sleep(0.01)
-                published.append(float(client.hget(keys.version(step), "created_at")) - start)
-                while True:
-                    reports = [json.loads(v) for v in client.hvals(keys.nodes)]
-                    done = [r["at"] for r in reports if r["version"] >= step]
-                    if len(done) == args.nodes:
-                        break
-                    assert all(p.poll() is None for p in processes), (
-                        root / "daemons.log"
-                    ).read_text()
-                    time.sleep(0.01)
-                loaded.append(max(done) - start)
-        finally:
-            for process in processes:
-                process.terminate()
-                process.wait(timeout=60)
-            log.close()
-    shutil.rmtree(root, ignore_errors=True)
-    result = {
-        "shape": args.shape,
-        "bytes": nbytes,
-        "nodes": args.nodes,
-        "device": args.device,
-        "rounds": args.rounds,
-        "published_s": statistics.median(published),
-        "all_nodes_loaded_s": statistics.median(loaded),
-        "loaded_min_s": min(loaded),
-        "loaded_max_s": max(loaded),
-    }
+    model = random_model(args.shape)
+    nbytes = sum(t.nbytes for t in model.hf.values())
+    machine = f"{platform.node()}, {os.cpu_count()} CPUs"
+    print(f"{machine}; {args.shape} ({nbytes / 1e9:.2f} GB), nodes on {args.device}", flush=True)
+    results = []
+    try:
+        for tp in args.tp:
+            results.append(bench_tp(tp, model, args, root))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     print(
-        f"{args.shape} ({nbytes / 1e9:.2f} GB) -> {args.nodes} nodes on {args.device}: "
-        f"published {result['published_s']:.2f} s, "
-        f"on every node {result['all_nodes_loaded_s']:.2f} s "
-        f"({result['loaded_min_s']:.2f}..{result['loaded_max_s']:.2f}), medians of {args.rounds}"
+        f"\n{'tp':>3} {'snapshot':>8} {'publish':>8} {'node':>6} {'total':>6} "
+        f"{'write':>6} {'read':>6} {'floor':>6} {'total/floor':>17} {'load':>9}"
     )
+    for r in results:
+        print(
+            f"{r['tp']:>3} {r['snapshot']:>8.2f} {r['publish']:>8.2f} {r['node']:>6.2f} "
+            f"{r['total']:>6.2f} {r['floor_write']:>6.2f} {r['floor_read']:>6.2f} "
+            f"{r['floor']:>6.2f} {r['ratio']:>6.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            f" {r['load'][0]:>4.1f}-{r['load'][1]:.1f}"
+        )
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        report = {
+            "machine": machine,
+            "shape": args.shape,
+            "bytes": nbytes,
+            "device": args.device,
+            "rounds": args.rounds,
+            "results": results,
+        }
+        args.json.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -5,19 +5,25 @@ a CPU ``vllm.LLM`` (tp=1) starts from A's ``hf`` layout with the ``weightcast`` 
 run then swaps the engine to the other version (``driver.swap``: start, update, finish, set
 the version, reset the prefix cache: what a node pays) and reads, from the worker's report,
 the backend's stage (lease, verify, read the rank's part) and apply (vLLM's layerwise reload,
-CPU repacking included) times. Baselines in the same run, on the same version: reading its
-fused file into memory (``readinto``; the page cache is as warm as for the swap) and the
-client alone (``WeightsClient``: verify and read every tensor of the rank). Medians over the
-runs and the ratios are printed.
+CPU repacking included) times. Every update gets a verification record of its own, so each
+one verifies every block, as the first update to a new version does. Baselines in the same
+run, on the same version: reading its fused file into fresh memory (``os.preadv``, the raw
+read of the other benchmarks) and the client alone (``WeightsClient``: verify and read every
+tensor of the rank). Before each of the three the version's pages are dropped from the page
+cache (``posix_fadvise(DONTNEED)``), as a version the publisher has just written with
+``O_DIRECT`` is not in it. Medians over the runs,
+the spread of the per-run ratios, and the load average are printed.
 
     .venv-vllm/bin/python bench/bench_vllm.py                  # tiny and 0.6B, 5 runs
-    .venv-vllm/bin/python bench/bench_vllm.py --shapes 0.6B --runs 3
+    .venv-vllm/bin/python bench/bench_vllm.py --shapes 0.6B --runs 3 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import statistics
 import sys
 import tempfile
@@ -25,7 +31,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "vllm"), str(REPO / "tests")]
+sys.path[:0] = [str(REPO / "tests" / "vllm"), str(REPO / "tests"), str(REPO / "bench")]
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(report)
 
 SHAPES = {
@@ -44,14 +50,20 @@ SHAPES = {
 }
 
 
-def read_file(path: Path) -> int:
-    """Read a file into memory the plain way; the bytes read."""
-    buffer = bytearray(os.path.getsize(path))
-    with open(path, "rb", buffering=0) as f:
-        return f.readinto(buffer)
+def drop_pages(directory: Path) -> None:
+    """Drop the page-cache pages of every file in ``directory`` (written back already)."""
+    for path in directory.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
 
 
-def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict[str, float]:
+def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
+    from bench_publisher import cold_read
+
     from weightcast.client.vllm.backend import report
     from weightcast.client.vllm.driver import LocalEngine, swap
     from weightcast.client.weights import WeightsClient
@@ -64,8 +76,11 @@ def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict[str, f
     versions = [
         registry.publish(config, random_state(config, seed), layout="both") for seed in (1, 2)
     ]
+    os.sync()
     started = time.perf_counter()
-    times: dict[str, list[float]] = {k: [] for k in ("swap", "stage", "apply", "read", "client")}
+    kinds = ("swap", "stage", "apply", "read", "client")
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    load = [os.getloadavg()[0]]
     with llm_engine(registry.versions[versions[0]] / "hf") as llm:
         print(f"{name}: engine started in {time.perf_counter() - started:.1f}s", flush=True)
         engine = LocalEngine(llm)
@@ -79,38 +94,48 @@ def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict[str, f
         )
         for run in range(runs):
             version = versions[(run + 1) % 2]
+            directory = registry.versions[version]
+            drop_pages(directory)
             began = time.perf_counter()
-            swap(engine, version)
+            swap(engine, version, {"verified_dir": str(work / f"verified-{name}-{run}")})
             times["swap"].append(time.perf_counter() - began)
             (worker,) = llm.collective_rpc(report)
             times["stage"].append(worker["stage_s"])
             times["apply"].append(worker["apply_s"])
-            began = time.perf_counter()
-            read_file(registry.versions[version] / FUSED_WEIGHTS_FILE)
-            times["read"].append(time.perf_counter() - began)
+            times["read"].append(cold_read(directory / FUSED_WEIGHTS_FILE))
             client = WeightsClient(  # a fresh client verifies again, as a worker does
                 redis_url, registry.weights_dir, namespace=registry.namespace, node_id="bench"
             )
+            drop_pages(directory)
             began = time.perf_counter()
             client.rank_tensors(version, 0, 1)
             times["client"].append(time.perf_counter() - began)
+            client.close()
+            load.append(os.getloadavg()[0])
         nbytes = worker["bytes"]
-    medians = {k: statistics.median(v) for k, v in times.items()}
+    result: dict = {"shape": name, "bytes": nbytes, "runs": runs, "load": [min(load), max(load)]}
+    result |= {f"{k}_s": statistics.median(v) for k, v in times.items()}
+    for kind, base in (("swap", "read"), ("stage", "read"), ("swap", "client")):
+        ratios = [a / b for a, b in zip(times[kind], times[base], strict=True)]
+        result[f"{kind}/{base}"] = (statistics.median(ratios), min(ratios), max(ratios))
+    ratios = ", ".join(
+        f"{key} {v[0]:.2f}x ({v[1]:.2f}..{v[2]:.2f})" for key, v in result.items() if "/" in key
+    )
     print(
-        f"{name}: {nbytes / 1e6:.1f} MB; median swap {medians['swap']:.3f}s "
-        f"(stage {medians['stage']:.3f}s, apply {medians['apply']:.3f}s); read the file "
-        f"{medians['read']:.3f}s, client verify+read {medians['client']:.3f}s; "
-        f"swap/read {medians['swap'] / medians['read']:.1f}x, "
-        f"swap/client {medians['swap'] / medians['client']:.1f}x",
+        f"{name}: {nbytes / 1e6:.1f} MB; median swap {result['swap_s']:.3f}s "
+        f"(stage {result['stage_s']:.3f}s, apply {result['apply_s']:.3f}s); read the file "
+        f"{result['read_s']:.3f}s, client verify+read {result['client_s']:.3f}s; {ratios}; "
+        f"load {min(load):.1f}..{max(load):.1f}",
         flush=True,
     )
-    return medians
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()
 
     from weightcast.local.redis_server import RedisServer
@@ -119,8 +144,10 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp,
         RedisServer(Path(tmp) / "redis") as server,
     ):
-        for name in args.shapes:
-            bench_shape(name, args.runs, Path(tmp), server.url)
+        results = [bench_shape(name, args.runs, Path(tmp), server.url) for name in args.shapes]
+    if args.json:
+        machine = f"{platform.node()}, {os.cpu_count()} CPUs"
+        args.json.write_text(json.dumps({"machine": machine, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,11 +27,13 @@ from weightcast.contract.layout import (
     LayoutError,
     ModelShape,
     PlannedFile,
+    PlannedTensor,
     VersionPlan,
     check_shapes,
     check_tp,
     fused_config,
     plan_version,
+    rank_slice,
 )
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
@@ -141,7 +143,7 @@ def _write_files(
     """Every file of the version, in ``tmp``; their manifest entries and how many linked."""
     if plan.hf_dir:
         (tmp / plan.hf_dir).mkdir()
-    files = [_write(tmp, planned, source, digest) for planned in plan.fused]
+    files = [_write(tmp, planned, source, digest, plan.tp) for planned in plan.fused]
     linked = 0
     for planned in plan.hf:
         entry = _link(tmp, planned, source, digest)
@@ -160,14 +162,35 @@ def _write_files(
     return files, linked
 
 
-def _write(tmp: Path, planned: PlannedFile, source: Source, digest: str) -> FileEntry:
+def _write(tmp: Path, planned: PlannedFile, source: Source, digest: str, tp: int = 1) -> FileEntry:
+    """Write ``planned``; with ``tp`` > 1 its blocks are cut between the ranks' rows."""
     outputs = [
         OutputTensor(
-            t.name, t.dtype, t.shape, tuple(p for r in t.regions for p in source.pieces(r))
+            t.name,
+            t.dtype,
+            t.shape,
+            tuple(p for r in t.regions for p in source.pieces(r)),
+            rank_rows(t, tp),
         )
         for t in planned.tensors
     ]
     return write_safetensors(tmp / planned.name, outputs, digest, planned.name)
+
+
+def rank_rows(tensor: PlannedTensor, tp: int) -> tuple[tuple[int, int], ...]:
+    """The byte range of ``tensor`` that each of ``tp`` ranks reads, by rank, when ranks
+    read their own rows of it (:func:`~weightcast.contract.layout.rank_slice` along dim 0);
+    empty when every rank reads all of it (replicated, or columns: every row is read)."""
+    if tp == 1 or tensor.rank is not None or tensor.shard.get("kind") == "hf":
+        return ()
+    row = tensor.nbytes // tensor.shape[0] if tensor.shape and tensor.shape[0] else 0
+    ranges = []
+    for rank in range(tp):
+        part = rank_slice(tensor.shard, tensor.shape, rank, tp)
+        if part is None or part.dim != 0:
+            return ()
+        ranges.append((part.start * row, part.stop * row))
+    return tuple(ranges)
 
 
 def _link(tmp: Path, planned: PlannedFile, source: Source, digest: str) -> FileEntry | None:

@@ -6,9 +6,15 @@ The header is built the way ``safetensors.torch.save_file`` builds it
 ranges of the snapshot's files), :class:`Columns` pieces (a column block of a row-major
 matrix, for per-rank files) or bytes already in memory (the ``dcp.load`` fallback).
 
+Blocks (:func:`block_lengths`) are at most 4 MiB and never cross a 16 MiB buffer boundary;
+where a tensor-parallel rank reads only its own rows of a tensor (:attr:`OutputTensor.ranks`),
+they are also cut wherever the set of ranks that read the bytes changes, so that each rank
+reads and verifies its own bytes and not its neighbours' (a fixed 4 MiB grid made tp 8 ranks
+of a 0.6B model read 1.6-2.2x their bytes).
+
 Pieces are gathered into a ring of page-aligned 16 MiB buffers. The calling thread fills
 them in file order; hash threads take each full buffer, compute the manifest's per-block
-digests of the blocks it holds (a buffer holds exactly four 4 MiB blocks, so buffers hash
+digests of the blocks it holds (no block crosses a buffer boundary, so buffers hash
 independently and in parallel) and check every float tensor's bytes in it for NaN and
 infinity; a writer thread then writes it at its offset with ``O_DIRECT`` (ordinary writes on
 filesystems without it, such as tmpfs). Reading, hashing, checking and the disk overlap, every
@@ -21,6 +27,7 @@ import bisect
 import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import queue
@@ -91,6 +98,9 @@ class OutputTensor:
     dtype: str
     shape: tuple[int, ...]
     pieces: tuple[Piece, ...]
+    ranks: tuple[tuple[int, int], ...] = ()
+    """Byte ranges of the tensor (from its first byte) that each tensor-parallel rank reads,
+    by rank, when ranks read only their own rows; empty when every reader reads all of it."""
 
     @property
     def nbytes(self) -> int:
@@ -122,12 +132,15 @@ def write_safetensors(
             raise ValueError(f"{t.name}: pieces hold {got} bytes, {need}")
     header = encode_header([(t.name, t.dtype, t.shape) for t in order], _METADATA)
     spans, at = [], len(header)
+    readers: list[tuple[int, int, object]] = [(0, at, _EVERY_READER)]
     for t in order:
         spans.append(TensorSpan(t.name, t.dtype, t.shape, at, at + t.nbytes))
+        readers += _readers(at, t)
         at += t.nbytes
+    lengths = block_lengths(at, readers)
     fd, direct = _open_output(path)
     try:
-        with _Pipeline(at, spans, digest, fd, direct) as pipeline:
+        with _Pipeline(at, spans, digest, fd, direct, lengths) as pipeline:
             pipeline.append(memoryview(header))
             for t in order:
                 for piece in t.pieces:
@@ -137,6 +150,42 @@ def write_safetensors(
     finally:
         os.close(fd)
     return FileEntry(name or path.name, at, blocks=pipeline.digests)
+
+
+_EVERY_READER = "every reader"
+
+
+def _readers(offset: int, tensor: OutputTensor) -> list[tuple[int, int, object]]:
+    """Who reads each byte of ``tensor`` (at ``offset`` in the file): (start, stop, the
+    ranks), from the boundaries of the ranks' ranges."""
+    if not tensor.nbytes:
+        return []
+    if not tensor.ranks:
+        return [(offset, offset + tensor.nbytes, _EVERY_READER)]
+    edges = sorted({0, tensor.nbytes, *(x for r in tensor.ranks for x in r)})
+    runs: list[tuple[int, int, object]] = []
+    for lo, hi in itertools.pairwise(edges):
+        ranks = frozenset(i for i, (a, b) in enumerate(tensor.ranks) if a <= lo and hi <= b)
+        runs.append((offset + lo, offset + hi, ranks))
+    return runs
+
+
+def block_lengths(size: int, readers: Sequence[tuple[int, int, object]]) -> list[int] | None:
+    """The digest blocks of a ``size``-byte file: cut at every multiple of BUFFER_BYTES and
+    wherever the readers change (``readers``: (start, stop, who reads it) in file order,
+    covering the file), then into pieces of at most BLOCK_BYTES. None when that is just the
+    fixed grid of BLOCK_BYTES blocks (the manifest then lists no lengths)."""
+    cuts = set(range(0, size, BUFFER_BYTES)) | {size}
+    for (_, stop, before), (start, _, after) in itertools.pairwise(readers):
+        assert stop == start, "readers must cover the file in order"
+        if before != after:
+            cuts.add(start)
+    lengths = []
+    edges = sorted(cuts)
+    for lo, hi in itertools.pairwise(edges):
+        lengths += [min(BLOCK_BYTES, hi - at) for at in range(lo, hi, BLOCK_BYTES)]
+    fixed = [min(BLOCK_BYTES, size - at) for at in range(0, size, BLOCK_BYTES)]
+    return None if lengths == fixed else lengths
 
 
 def digest_file(path: Path, spans: Sequence[TensorSpan], digest: str, name: str) -> FileEntry:
@@ -175,17 +224,27 @@ class _Pipeline:
     """Fill here; hash and check in ``HASH_THREADS`` threads; write in one more."""
 
     def __init__(
-        self, size: int, spans: Sequence[TensorSpan], digest: str, fd: int | None, direct: bool
+        self,
+        size: int,
+        spans: Sequence[TensorSpan],
+        digest: str,
+        fd: int | None,
+        direct: bool,
+        lengths: list[int] | None = None,
     ) -> None:
         self.size = size
         self.algorithm = digest
+        self.lengths = lengths
         self.fd, self.direct = fd, direct
         self.floats = [s for s in spans if s.dtype in NON_FINITE and s.stop > s.start]
         for span in self.floats:
             if span.start % DTYPE_SIZES[span.dtype]:
                 raise ValueError(f"{span.name}: not aligned to its element size in the file")
         self.starts = [s.start for s in self.floats]
-        self.block_digests: list[str] = [""] * (-(-size // BLOCK_BYTES))
+        count = -(-size // BLOCK_BYTES) if lengths is None else len(lengths)
+        self.block_digests: list[str] = [""] * count
+        self.blocks = BlockDigests(digest, BLOCK_BYTES, self.block_digests, lengths)
+        """Where each block is (its digests are filled in as buffers are hashed)."""
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
         self.to_hash: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
@@ -206,7 +265,7 @@ class _Pipeline:
 
     @property
     def digests(self) -> BlockDigests:
-        return BlockDigests(self.algorithm, BLOCK_BYTES, self.block_digests)
+        return BlockDigests(self.algorithm, BLOCK_BYTES, self.block_digests, self.lengths)
 
     def __enter__(self) -> _Pipeline:
         for thread in [*self.hashers, self.writer]:
@@ -324,10 +383,11 @@ class _Pipeline:
     def _digest(self, index: int, offset: int, n: int) -> None:
         view = memoryview(self.buffers[index])
         try:
-            for start in range(0, n, BLOCK_BYTES):
+            for block in self.blocks.block_range(offset, offset + n):
+                start, stop = self.blocks.span(block, self.size)
                 hasher = new_hasher(self.algorithm)
-                hasher.update(view[start : min(n, start + BLOCK_BYTES)])
-                self.block_digests[(offset + start) // BLOCK_BYTES] = hasher.hexdigest()
+                hasher.update(view[start - offset : stop - offset])
+                self.block_digests[block] = hasher.hexdigest()
         finally:
             view.release()
 

@@ -533,6 +533,25 @@ def rank_part(tensor: torch.Tensor, shard: Mapping[str, Any], rank: int, tp: int
     return tensor if part is None else tensor.narrow(part.dim, part.start, part.stop - part.start)
 
 
+def rank_byte_ranges(directory: Path, rank: int, tp: int) -> list[tuple[int, int]]:
+    """The byte ranges of ``directory``'s model.vllm-fused that tp rank ``rank`` needs: the
+    header and each tensor's part (its rows; a column block: every byte of the tensor, since
+    each row holds some of the rank's columns), worked out from the file's header and the
+    manifest's shard specs."""
+    with open(directory / FUSED_WEIGHTS_FILE, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    ranges = [(0, 8 + length)]
+    for entry in Manifest.read(directory).tensors:
+        begin, end = (8 + length + o for o in header[entry.name]["data_offsets"])
+        part = rank_slice(entry.shard, entry.shape, rank, tp)
+        if part is not None and part.dim == 0:
+            row = (end - begin) // entry.shape[0]
+            begin, end = begin + part.start * row, begin + part.stop * row
+        ranges.append((begin, end))
+    return ranges
+
+
 def copy_version(deployment: Deployment, version: int) -> tuple[int, Path]:
     """A copy of ``version``'s directory as ``v<N>`` under a fresh version number N, to be
     changed and then registered with :func:`register_version`."""

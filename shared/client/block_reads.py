@@ -12,7 +12,8 @@ while the caller's thread verifies the current one:
 
 So every returned byte is one that was hashed, and nothing is read twice through a mapping.
 A :class:`BlockCheck` verifies format 2's per-block digests (skipping blocks the node's
-record lists), a :class:`WholeFileCheck` format 1's whole-file SHA-256 (the whole file is
+record lists; blocks of the manifest's ``lengths`` when it lists them, cut at the ranks'
+boundaries), a :class:`WholeFileCheck` format 1's whole-file SHA-256 (the whole file is
 read, in order, unless a sibling already checked it).
 """
 
@@ -41,7 +42,7 @@ from weightcast.contract.tensorfile import (
 )
 
 WINDOW_BYTES = 64 * 1024 * 1024
-"""Bytes read per window (whole blocks; at least one block)."""
+"""Bytes read per window at most (whole blocks; at least one block)."""
 READ_AHEAD = 2
 """Windows read ahead of the one being verified."""
 WHOLE_FILE_GRID = BLOCK_BYTES
@@ -114,14 +115,16 @@ def copy_rect(rect: Rect, start: int, window: memoryview, out: torch.Tensor) -> 
 
 
 class Check:
-    """Verification of one file: which blocks to read, and hashing them as they arrive."""
+    """Verification of one file: which blocks to read, and hashing them as they arrive.
 
-    def __init__(self, entry: FileEntry, known: Verified, label: str, block_bytes: int) -> None:
+    ``starts``: the file offset where each block begins, then the file's end."""
+
+    def __init__(self, entry: FileEntry, known: Verified, label: str, starts: list[int]) -> None:
         self.entry = entry
         self.known = known
         self.label = label
-        self.block_bytes = block_bytes
-        self.block_count = -(-entry.bytes // block_bytes)
+        self.starts = starts
+        self.block_count = len(starts) - 1
         self.bytes_read = 0
         self.hashed = 0
         self.trusted = 0
@@ -142,27 +145,31 @@ class Check:
         """The blocks that hold any byte of ``ranges``."""
         blocks: set[int] = set()
         for start, stop in ranges:
-            if stop > start:
-                blocks.update(range(start // self.block_bytes, (stop - 1) // self.block_bytes + 1))
+            blocks.update(self.block_range(start, stop))
         return blocks
+
+    def block_range(self, start: int, stop: int) -> range:
+        """The blocks that hold bytes ``[start, stop)``."""
+        if stop <= start:
+            return range(0)
+        first = bisect.bisect_right(self.starts, start) - 1
+        return range(max(first, 0), min(bisect.bisect_left(self.starts, stop), self.block_count))
 
     def windows(self, blocks: Iterable[int]) -> list[tuple[int, int]]:
         """Runs of consecutive blocks, cut into windows of at most WINDOW_BYTES (one block
         at least)."""
-        per_window = max(1, WINDOW_BYTES // self.block_bytes)
         windows: list[tuple[int, int]] = []
         run: list[int] = []
         for index in sorted(blocks):
-            if run and (index != run[-1] + 1 or len(run) == per_window):
-                windows.append(self._span(run))
+            if run and (
+                index != run[-1] + 1 or self.starts[index + 1] - self.starts[run[0]] > WINDOW_BYTES
+            ):
+                windows.append((self.starts[run[0]], self.starts[run[-1] + 1]))
                 run = []
             run.append(index)
         if run:
-            windows.append(self._span(run))
+            windows.append((self.starts[run[0]], self.starts[run[-1] + 1]))
         return windows
-
-    def _span(self, run: list[int]) -> tuple[int, int]:
-        return run[0] * self.block_bytes, min((run[-1] + 1) * self.block_bytes, self.entry.bytes)
 
     def verify(self, window: Window) -> None:
         raise NotImplementedError
@@ -176,7 +183,8 @@ class BlockCheck(Check):
 
     def __init__(self, entry: FileEntry, known: Verified, label: str) -> None:
         assert entry.blocks is not None
-        super().__init__(entry, known, label, entry.blocks.block_bytes)
+        starts = entry.blocks.starts
+        super().__init__(entry, known, label, [*starts[:-1], min(starts[-1], entry.bytes)])
         self._empty = new_hasher(entry.blocks.algorithm)
         self._done: set[int] = set()
 
@@ -184,8 +192,8 @@ class BlockCheck(Check):
         assert self.entry.blocks is not None
         pieces = window.pieces
         at = 0  # the first piece that may hold the block's bytes
-        for index in range(window.start // self.block_bytes, -(-window.stop // self.block_bytes)):
-            start, stop = self.entry.blocks.span(index, self.entry.bytes)
+        for index in self.block_range(window.start, window.stop):
+            start, stop = self.starts[index], self.starts[index + 1]
             while pieces[at][0] + len(pieces[at][1]) <= start:
                 at += 1
             if index in self._done:
@@ -213,7 +221,8 @@ class WholeFileCheck(Check):
     block is read, in order, and hashed; the result is known only at the end."""
 
     def __init__(self, entry: FileEntry, known: Verified, label: str) -> None:
-        super().__init__(entry, known, label, WHOLE_FILE_GRID)
+        starts = [*range(0, entry.bytes, WHOLE_FILE_GRID), entry.bytes]
+        super().__init__(entry, known, label, starts)
         self._digest = None if known.whole else hashlib.sha256()
         self._hashed_to = 0
 
@@ -223,7 +232,7 @@ class WholeFileCheck(Check):
         return set(range(self.block_count))
 
     def verify(self, window: Window) -> None:
-        count = -(-(window.stop - window.start) // self.block_bytes)
+        count = len(self.block_range(window.start, window.stop))
         if self._digest is None:
             self.trusted += count
         elif window.start == self._hashed_to:  # every block, in order (see needed)

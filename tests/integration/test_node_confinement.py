@@ -58,6 +58,16 @@ def edit_manifest(directory: Path, change: Callable[[dict], None]) -> None:
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
+def grow_first_file(manifest: dict) -> None:
+    """The first file one byte longer than it is, in a manifest that is valid otherwise (a
+    block list of per-block lengths gains a one-byte block)."""
+    entry = manifest["files"][0]
+    entry["bytes"] += 1
+    if (entry.get("blocks") or {}).get("lengths"):
+        entry["blocks"]["lengths"].append(1)
+        entry["blocks"]["digests"].append("0" * 32)
+
+
 def point_tensors_at(name: str) -> Callable[[dict], None]:
     def change(manifest: dict) -> None:
         for tensor in manifest["tensors"]:
@@ -336,9 +346,7 @@ MALFORMED_MANIFESTS = {
         "unknown manifest format",
     ),
     "a file's size is wrong": (
-        lambda v: edit_manifest(
-            v, lambda m: m["files"][0].update(bytes=m["files"][0]["bytes"] + 1)
-        ),
+        lambda v: edit_manifest(v, grow_first_file),
         r"\d+ bytes, the manifest says \d+",
     ),
     "no config listed": (

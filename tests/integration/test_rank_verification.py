@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import struct
 import subprocess
 import sys
 import textwrap
@@ -26,11 +25,19 @@ from weightcast.client.reader import VersionReader
 from weightcast.client.verified import LOCK_NAME, NodeRecord, RecordKey
 from weightcast.contract.errors import ConfigError, WeightsError
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import rank_slice
-from weightcast.contract.manifest import DEFAULT_DIGEST, Manifest
+from weightcast.contract.manifest import DEFAULT_DIGEST
 from weightcast.local.redis_server import RedisServer
 
-from helpers import REPO, SMALL_GQA, Deployment, copy_version, hf_state, redigest, register_version
+from helpers import (
+    REPO,
+    SMALL_GQA,
+    Deployment,
+    copy_version,
+    hf_state,
+    rank_byte_ranges,
+    redigest,
+    register_version,
+)
 from vllm_reference import qkv_parallel_rank, row_parallel_rank
 
 BLOCK = 256
@@ -58,22 +65,12 @@ def redigested(
 
 
 def needed_blocks(directory: Path, rank: int, block_bytes: int = BLOCK) -> set[int]:
-    """The blocks of model.vllm-fused that hold the header or any byte of ``rank``'s parts,
-    worked out from the file's header and the manifest's shard specs (row-parallel tensors:
-    every byte of the tensor, since each row holds some of the rank's columns)."""
-    data = (directory / "model.vllm-fused").read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + length])
-    ranges = [(0, 8 + length)]
-    for entry in Manifest.read(directory).tensors:
-        begin, end = (8 + length + o for o in header[entry.name]["data_offsets"])
-        part = rank_slice(entry.shard, entry.shape, rank, TP)
-        if part is not None and part.dim == 0:
-            row = (end - begin) // entry.shape[0]
-            begin, end = begin + part.start * row, begin + part.stop * row
-        ranges.append((begin, end))
+    """The blocks of model.vllm-fused that hold any byte ``rank`` needs."""
     return {
-        b for s, e in ranges if e > s for b in range(s // block_bytes, (e - 1) // block_bytes + 1)
+        b
+        for s, e in rank_byte_ranges(directory, rank, TP)
+        if e > s
+        for b in range(s // block_bytes, (e - 1) // block_bytes + 1)
     }
 
 
