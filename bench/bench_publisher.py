@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import platform
@@ -32,6 +33,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import redis
 import torch
 
@@ -98,22 +100,17 @@ def hf_shapes(s: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-POOL_ELEMENTS = 16 * 1024 * 1024
-
-
 def random_state(s: dict) -> dict[str, torch.Tensor]:
-    """Random bf16 tensors under the shape's HF names: normal values, cycled from a pool of
-    32 MiB (drawing 8 billion of them one by one would take minutes)."""
-    pool = torch.empty(POOL_ELEMENTS, dtype=torch.bfloat16)
-    pool.normal_(generator=torch.Generator().manual_seed(0))
+    """Random bf16 tensors under the shape's HF names: random bits with the exponent's top
+    bit cleared (finite, below 2 in magnitude), never repeating (a model's bytes do not
+    repeat either). Drawn four times faster than normal values, whose 8 billion draws for
+    the 8B shape take minutes."""
+    rng = np.random.default_rng(0)
     state = {}
     for name, size in hf_shapes(s).items():
-        tensor = torch.empty(size, dtype=torch.bfloat16)
-        flat = tensor.view(-1)
-        for at in range(0, flat.numel(), POOL_ELEMENTS):
-            count = min(POOL_ELEMENTS, flat.numel() - at)
-            flat[at : at + count].copy_(pool[:count])
-        state[name] = tensor
+        bits = rng.integers(0, 1 << 16, size=math.prod(size), dtype=np.uint16)
+        bits &= 0xBFFF
+        state[name] = torch.from_numpy(bits).view(torch.bfloat16).reshape(size)
     return state
 
 
