@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from weightcast.client.node import Node
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import ConfigError
-from weightcast.runtime.config import Config, FollowConfig
+from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.retry import Outage
@@ -50,13 +50,12 @@ def run_follow(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    node: Node | ServerNode
+    vllm_node: ServerNode | None = None
     if cfg.vllm_url:
         from weightcast.client.vllm.driver import server_node
 
-        node = server_node(config, client)
-    else:
-        node = Node(client, report_every=cfg.poll_seconds)
+        vllm_node = server_node(config, client)
+    node = vllm_node or Node(client, report_every=cfg.poll_seconds)
     outage = Outage(budget=config.common.redis_retry_seconds)
     server = serve(cfg.metrics_port, lambda: node_health(node, outage))
     log.info(
@@ -72,31 +71,18 @@ def run_follow(config: Config) -> int:
 
             return run_rollout_node(config, node, stop, outage)
         while not stop.is_set():
-            followed = outage.attempt(lambda: follow_once(node, cfg, stop), "following", stop.wait)
+            followed = outage.attempt(
+                lambda: node.step(cfg.poll_seconds, stop), "following", stop.wait
+            )
             if followed and cfg.until_version and node.current >= cfg.until_version:
                 break
         return 0
     finally:
         if server is not None:
             server.close()
-        if not isinstance(node, Node):
-            node.close()
+        if vllm_node is not None:
+            vllm_node.close()
         client.close()
-
-
-def follow_once(node: Node | ServerNode, cfg: FollowConfig, stop: threading.Event) -> None:
-    """Report when due, wait up to one poll for a newer version, load it if there is one (a
-    ``vllm serve``'s node also checks its server)."""
-    if not isinstance(node, Node):
-        node.step(cfg.poll_seconds)
-        return
-    node.report()
-    version = node.client.wait_for_newer(
-        node.seen, timeout=cfg.poll_seconds, poll=cfg.poll_seconds, stop=stop
-    )
-    if version is not None:
-        node.load(version)
-        node.report()
 
 
 def node_health(node: Node | ServerNode, outage: Outage) -> Health:

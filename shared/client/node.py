@@ -10,6 +10,7 @@ the node does with the tensors (a transformers model, a vLLM engine) is the call
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,15 @@ class Node:
         if self.current and due:
             self.client.report_loaded(self.current)
             self.reported_at = time.monotonic()
+
+    def step(self, poll: float, stop: threading.Event | None = None) -> None:
+        """Report when due, wait up to ``poll`` seconds for a newer version (``stop`` ends
+        the wait early), load it if there is one."""
+        self.report()
+        version = self.client.wait_for_newer(self.seen, timeout=poll, poll=poll, stop=stop)
+        if version is not None:
+            self.load(version)
+            self.report()
 
     def load(self, version: int) -> LoadedVersion | None:
         """Load ``version`` (call :meth:`report` next); None when it was evicted first or is

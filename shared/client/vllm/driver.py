@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -249,8 +250,9 @@ class ServerNode:
         """The version served (what ``/healthz`` and ``follow.until_version`` look at)."""
         return self.served
 
-    def step(self, timeout: float) -> None:
-        """Check the server, load the newest version if it is newer, report the node."""
+    def step(self, timeout: float, stop: threading.Event | None = None) -> None:
+        """Check the server, load the newest version if it is newer, report the node; else
+        wait up to ``timeout`` seconds for a newer one (``stop`` ends the wait early)."""
         if not self.ready and not self.connect():
             time.sleep(min(timeout, 1.0))
             return
@@ -267,7 +269,9 @@ class ServerNode:
             self.load(newest)
         else:
             self.report()
-            self.client.wait_for_newer(max(self.served, *self.refused, 0), timeout, timeout)
+            self.client.wait_for_newer(
+                max(self.served, *self.refused, 0), timeout, timeout, stop=stop
+            )
 
     def load(self, version: int) -> None:
         """Lease ``version``, swap the server to it, report it (or the error)."""
