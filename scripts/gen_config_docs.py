@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from weightcast.runtime.config import reference_markdown
+from weightcast.runtime.settings import reference_markdown
 
 if __name__ == "__main__":
     target = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

@@ -55,7 +55,7 @@ from weightcast.contract.snapshots import (
 )
 from weightcast.local.produce import synthetic_batch
 from weightcast.publisher.daemon import Publisher
-from weightcast.runtime.config import load_config
+from weightcast.runtime.settings import load_config
 from weightcast.trainer.resume import TrainState, newest_checkpoint, read_train_state
 from weightcast.trainer.snapshot_storage import SafetensorsStorageWriter
 

@@ -44,6 +44,7 @@ def build_job_config(
     job.training.steps = cfg.steps or UNBOUNDED_STEPS
     job.training.local_batch_size = 1
     job.training.seed = cfg.seed
+    job.optimizer.lr = cfg.lr
     job.training.mixed_precision_param = "bfloat16" if torch.cuda.is_available() else "float32"
     job.lr_scheduler.warmup_steps = 2
     job.lr_scheduler.decay_ratio = 0.0

@@ -21,11 +21,21 @@ from torch.distributed.checkpoint.stateful import Stateful
 from weightcast.contract.durable import fsync_path, remove_dir
 from weightcast.contract.snapshots import DCP_METADATA, snapshot_step
 from weightcast.contract.streams import parse_stream_id
+from weightcast.runtime.config import Config
 
 STATE_KEY = "train_state"
 """Name ForgeEngine gives the train state in the checkpoint (keys ``train_state.<name>``)."""
 
 RUN_ID_BYTES = 64
+
+
+def resume_dir(config: Config) -> Path:
+    """``trainer.resume_dir``, or ``<checkpoint_dir>-resume`` beside the snapshots (outside
+    the publisher's scan)."""
+    if config.trainer.resume_dir:
+        return Path(config.trainer.resume_dir).absolute()
+    snapshots = Path(config.common.checkpoint_dir).absolute()
+    return snapshots.with_name(f"{snapshots.name}-resume")
 
 
 def encode_ids(entry_ids: Iterable[str]) -> torch.Tensor:

@@ -44,7 +44,7 @@ from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import ConfigError, WeightcastError
 from weightcast.contract.keys import Keys
 from weightcast.contract.streams import trim_acknowledged
-from weightcast.runtime.config import Config, resume_dir
+from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage
 from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
@@ -64,6 +64,7 @@ from weightcast.trainer.resume import (
     make_durable,
     newest_checkpoint,
     remove_partial,
+    resume_dir,
 )
 from weightcast.trainer.snapshot import SnapshotWriter
 from weightcast.trainer.step_plan import StepPlan, decide, local_view

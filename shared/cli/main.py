@@ -10,30 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import redis
 
 from weightcast.contract.errors import ConfigError, WeightcastError
-from weightcast.runtime.config import (
-    Config,
-    add_flags,
-    check_writable_dir,
-    flag_overrides,
-    load_config,
-    writable_dirs,
-)
+from weightcast.runtime.config import COMMANDS, Config
 from weightcast.runtime.logs import configure_logging
-
-COMMANDS = {
-    "up": "run the whole pipeline locally (private redis-server, tiny model, CPU) and exit",
-    "trainer": "train on rollout batches from Redis and write snapshots (torchrun works)",
-    "publisher": "publish complete snapshots as vllm-fused versions and evict old ones",
-    "produce": "push synthetic rollout batches (a stand-in rollout producer)",
-    "follow": "a reference inference node: lease, verify and load each new version",
-    "status": "show versions, leases, nodes, the trainer and the batch queue",
-}
+from weightcast.runtime.settings import add_flags, flag_overrides, load_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +81,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def writable_dirs(config: Config, command: str) -> dict[str, Path]:
+    """The directories ``command`` writes, by setting name (checked before it starts)."""
+    common = config.common
+    if command == "trainer":
+        from weightcast.trainer.resume import resume_dir
+
+        return {"checkpoint_dir": common.checkpoint_dir, "trainer.resume_dir": resume_dir(config)}
+    if command == "publisher":
+        return {"checkpoint_dir": common.checkpoint_dir, "weights_dir": common.weights_dir}
+    if command == "up":
+        return {"up.workdir": config.up.workdir}
+    return {}
+
+
+def check_writable_dir(path: Path, name: str) -> None:
+    """Create ``path`` if needed and prove it writable (a real write: root ignores modes)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{name} {path} is not a directory")
+    probe = path / f".weightcast-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{name} {path} is not writable: {exc.strerror or exc}") from None
 
 
 def _run(args: argparse.Namespace, config: Config) -> int:

@@ -20,11 +20,11 @@ from typing import Any
 import redis
 import torch
 
+from weightcast.client.identity import default_node_id
 from weightcast.contract.codec import BatchLimits, encode_batch
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.streams import ensure_group
-from weightcast.runtime.config import default_node_id
 
 _COUNT_AFTER = """
 return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))

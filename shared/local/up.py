@@ -18,26 +18,20 @@ import signal
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Any
 
 import redis
 
 from weightcast.contract.codec import META_FIELD
-from weightcast.contract.errors import ConfigError
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import Config
+from weightcast.runtime.settings import env_var
 
 FOLLOWER_ID = "up-follower"
 STOP_GRACE_S = 20.0
-
-TRAINER_DEFAULTS: dict[str, Any] = {"trainer": {"optimizer": {"lr": 1e-2}}}
-"""What ``up`` gives the trainer unless the ``--config`` file says otherwise: a learning rate
-that makes the tiny model learn the toy task within the default steps."""
 
 
 class StackFailure(RuntimeError):
@@ -111,6 +105,7 @@ class Stack:
             "WEIGHTCAST_NAMESPACE": config.common.namespace,
             "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
             "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
+            **trainer_env(config),
         }
         self.config_args = [] if config_file is None else ["--config", str(config_file)]
         self.vllm_python = vllm_python
@@ -224,6 +219,13 @@ class Stack:
                 progress.rewards.setdefault(meta["policy_version"], []).append(meta["reward"])
 
 
+def trainer_env(config: Config) -> dict[str, str]:
+    """``up.lr`` for the trainer, unless the user set ``trainer.lr`` (in the file or env)."""
+    if "trainer.lr" in config.sources:
+        return {}
+    return {env_var("trainer.lr"): repr(config.up.lr)}
+
+
 @dataclass(frozen=True)
 class UpOptions:
     """What ``up`` takes besides its settings (``[up]``): where Redis is, the user's file."""
@@ -264,8 +266,7 @@ def run_up(config: Config, options: UpOptions) -> int:
                 print(f"started a private redis-server at {redis_url}", flush=True)
             else:
                 print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
-            config_file = write_run_config(run_dir, options.config_file)
-            stack = Stack(config, run_dir, redis_url, config_file, follower_python)
+            stack = Stack(config, run_dir, redis_url, options.config_file, follower_python)
             resources.callback(stack.stop_all)
             progress = stack.run(steps, up.publish_every, started, up.timeout)
             dead = stack.redis.xlen(stack.keys.dead_letters)
@@ -280,43 +281,6 @@ def run_up(config: Config, options: UpOptions) -> int:
     if plot is not None:
         print(f"  reward plot: {plot}", flush=True)
     return 0
-
-
-def write_run_config(run_dir: Path, user_file: Path | None) -> Path:
-    """``up``'s trainer defaults under the user's ``--config`` file, as the run's config."""
-    merged = _merge(TRAINER_DEFAULTS, {})
-    if user_file is not None:
-        try:
-            merged = _merge(merged, tomllib.loads(Path(user_file).read_text()))
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {user_file}: {exc}") from None
-    path = run_dir / "config.toml"
-    path.write_text(to_toml(merged))
-    return path
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def to_toml(table: dict[str, Any], prefix: str = "") -> str:
-    """TOML for a table of scalars, arrays of scalars and sub-tables (what configs hold)."""
-    lines = [
-        f"{key} = {json.dumps(value)}"
-        for key, value in table.items()
-        if not isinstance(value, dict)
-    ]
-    for key, value in table.items():
-        if isinstance(value, dict):
-            name = f"{prefix}{key}"
-            lines += ["", f"[{name}]", to_toml(value, f"{name}.")]
-    return "\n".join(lines)
 
 
 def _interrupt(_signum: int, _frame: object) -> None:

@@ -27,10 +27,13 @@ from weightcast.client.vllm.driver import EngineError, LocalEngine, swap
 from weightcast.contract.errors import ConfigError, VersionGone, WeightsError
 from weightcast.contract.layout import ModelShape
 from weightcast.local.rollout import Policy
-from weightcast.runtime.config import VLLM_VENV_PYTHON, Config, UpConfig
+from weightcast.runtime.config import Config, UpConfig
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("rollout")
+
+VLLM_VENV_PYTHON = Path(".venv-vllm/bin/python")
+"""The vLLM venv ``make vllm-setup`` builds in a checkout (``up.vllm_python``'s default)."""
 
 KV_CACHE_BYTES = 512 * 1024 * 1024
 """The engine's KV cache: plenty for the toy task's batches, and small enough to share a

@@ -12,8 +12,8 @@ from weightcast.contract.codec import BatchLimits
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.local.produce import run_produce
 from weightcast.local.redis_server import RedisServer
-from weightcast.runtime.config import load_config
 from weightcast.runtime.retry import Outage
+from weightcast.runtime.settings import load_config
 from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 
 from helpers import push_batches, wait_for

@@ -25,8 +25,8 @@ from weightcast.local.redis_server import RedisServer
 from weightcast.publisher.daemon import Publisher
 from weightcast.publisher.registry import NOT_LEADER
 from weightcast.publisher.watcher import SnapshotWatcher
-from weightcast.runtime.config import load_config
 from weightcast.runtime.net import free_port
+from weightcast.runtime.settings import load_config
 
 from helpers import (
     FORMATS,

@@ -14,9 +14,10 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.snapshots import read_complete
 from weightcast.publisher.dcp_load import load_tensors
 from weightcast.publisher.snapshots import Snapshot
-from weightcast.runtime.config import load_config, resume_dir
+from weightcast.runtime.settings import load_config
 from weightcast.trainer.job import build_job_config
 from weightcast.trainer.model import TRAIN_SPEC_NAME
+from weightcast.trainer.resume import resume_dir
 
 from helpers import (
     REPO,

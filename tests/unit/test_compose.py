@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from weightcast.cli.main import build_parser
-from weightcast.runtime.config import load_config, settings
+from weightcast.runtime.settings import load_config, settings
 
 from helpers import REPO
 

@@ -9,7 +9,7 @@ import pytest
 
 from weightcast.cli.main import build_parser, main
 from weightcast.contract.errors import ConfigError
-from weightcast.runtime.config import (
+from weightcast.runtime.settings import (
     env_var,
     flag_overrides,
     load_config,
@@ -97,7 +97,7 @@ def test_the_readme_example_is_a_valid_config(tmp_path: Path) -> None:
     example = readme.split("```toml\n", 1)[1].split("```", 1)[0]
     config = load_config(write(tmp_path, example), env={})
     assert config.trainer.model == "0.6B" and config.publisher.tp == 2
-    assert config.trainer.titan == {"optimizer": {"lr": 1e-6}}
+    assert config.trainer.lr == 1e-6 and config.trainer.titan == {}
 
 
 def test_the_configuration_reference_is_current() -> None:

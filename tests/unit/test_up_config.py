@@ -1,26 +1,28 @@
-"""``weightcast up``'s run config: its trainer defaults under the user's ``--config`` file."""
+"""``weightcast up`` gives its trainer ``up.lr`` unless the user set ``trainer.lr``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from weightcast.local.up import TRAINER_DEFAULTS, write_run_config
-from weightcast.runtime.config import load_config
+from weightcast.local.up import trainer_env
+from weightcast.runtime.settings import load_config
 
 
-def test_up_defaults_apply_unless_the_users_file_says_otherwise(tmp_path: Path) -> None:
-    default = load_config(write_run_config(tmp_path, None), env={})
-    assert (
-        default.trainer.titan["optimizer"]["lr"] == TRAINER_DEFAULTS["trainer"]["optimizer"]["lr"]
-    )
+def trainer_lr(up_config, env: dict[str, str], user_file: Path | None = None) -> float:
+    """The learning rate a trainer started by ``up`` (``up_config``) loads."""
+    return load_config(user_file, env={**env, **trainer_env(up_config)}).trainer.lr
+
+
+def test_up_gives_its_trainer_its_own_rate_unless_the_user_set_one(tmp_path: Path) -> None:
+    default = load_config(env={})
+    assert trainer_lr(default, {}) == default.up.lr == 1e-2
+    assert trainer_lr(load_config(env={}, overrides={"up.lr": 0.05}), {}) == 0.05
 
     user = tmp_path / "user.toml"
-    user.write_text(
-        'namespace = "mine"\n[trainer]\nseq_len = 128\n[trainer.optimizer]\nlr = 0.5\n'
-        'name = "AdamW"\n[rollout]\ngroup_size = 4\n'
-    )
-    (tmp_path / "run").mkdir()
-    merged = load_config(write_run_config(tmp_path / "run", user), env={})
-    assert merged.common.namespace == "mine" and merged.trainer.seq_len == 128
-    assert merged.trainer.titan["optimizer"] == {"lr": 0.5, "name": "AdamW"}
-    assert merged.rollout.group_size == 4
+    user.write_text('namespace = "mine"\n[trainer]\nlr = 0.5\nseq_len = 128\n')
+    from_file = load_config(user, env={})
+    assert trainer_lr(from_file, {}, user) == 0.5
+    assert load_config(user, env=trainer_env(from_file)).trainer.seq_len == 128
+
+    env = {"WEIGHTCAST_TRAINER_LR": "0.25"}
+    assert trainer_lr(load_config(env=env), env) == 0.25

@@ -8,7 +8,7 @@ import pytest
 
 from weightcast.client.vllm.driver import served_version
 from weightcast.client.vllm.protocol import InitInfo, UpdateInfo, resolve
-from weightcast.runtime.config import load_config
+from weightcast.runtime.settings import load_config
 
 
 @pytest.mark.parametrize(

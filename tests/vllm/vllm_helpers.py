@@ -28,7 +28,7 @@ from weightcast.client.vllm.driver import LocalEngine
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import ModelShape
 from weightcast.publisher.daemon import Publisher
-from weightcast.runtime.config import load_config
+from weightcast.runtime.settings import load_config
 
 from helpers import write_snapshot
 

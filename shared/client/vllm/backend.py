@@ -52,7 +52,7 @@ from weightcast.client.vllm.protocol import REFUSED, InitInfo, UpdateInfo, resol
 from weightcast.client.vllm.staging import StagedVersion, stage
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.layout import LAYOUT_HF, ModelShape, check_shapes
-from weightcast.runtime.config import load_config
+from weightcast.runtime.settings import load_config
 
 log = init_logger("vllm.weightcast")  # under vLLM's logger, so it shows in vLLM's log
 

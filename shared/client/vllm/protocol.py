@@ -18,7 +18,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightcast.runtime.config import Config, default_node_id
+from weightcast.client.identity import default_node_id
+from weightcast.runtime.config import Config
 
 REFUSED = "refused, no parameter touched"
 """In the error of an update the backend refused: the version does not fit the engine, which
