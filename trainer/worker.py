@@ -19,34 +19,30 @@ What can go wrong, and what the loop does (docs/trainer.md has the whole story):
 from __future__ import annotations
 
 import dataclasses
-import errno
 import math
 import os
-import shutil
 import signal
 import socket
 import time
 import uuid
 import warnings
-from concurrent.futures import Future
 from typing import Any
 
 import redis
 import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.experiments.forge.engine import ForgeEngine
 
 from weightcast.contract.codec import BatchLimits, RolloutBatch
-from weightcast.contract.durable import remove_dir
-from weightcast.contract.errors import ConfigError, WeightcastError
+from weightcast.contract.errors import ConfigError
 from weightcast.contract.keys import Keys
 from weightcast.contract.streams import trim_acknowledged
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage
+from weightcast.trainer import collectives
 from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 from weightcast.trainer.job import build_job_config
 from weightcast.trainer.loss import (
@@ -57,15 +53,8 @@ from weightcast.trainer.loss import (
     trained_tokens,
 )
 from weightcast.trainer.model import flavor_args, hf_config, register_train_spec
-from weightcast.trainer.resume import (
-    IncompleteCheckpoint,
-    TrainState,
-    encode_ids,
-    make_durable,
-    newest_checkpoint,
-    remove_partial,
-    resume_dir,
-)
+from weightcast.trainer.resume import TrainState, resume_dir
+from weightcast.trainer.resume_checkpoints import ResumeCheckpoints, load_newest
 from weightcast.trainer.snapshot import SnapshotWriter
 from weightcast.trainer.step_plan import StepPlan, decide, local_view
 from weightcast.trainer.telemetry import Telemetry
@@ -75,12 +64,53 @@ log = get_logger("trainer")
 STEP_METRICS = ("loss", "kl", "entropy", "clip_fraction")
 """Per-step figures averaged over the trained tokens of all micro-batches and ranks."""
 
-CHECKPOINT_ERRORS = (OSError, CheckpointException, IncompleteCheckpoint)
-"""What a resume checkpoint that could not be written raises (DCP wraps each rank's error
-in a CheckpointException, raised alike on every rank)."""
 
-FINAL_RETRY_MAX_S = 30.0
-"""Longest pause between tries of the last resume checkpoint at exit."""
+@dataclasses.dataclass
+class StepTotals:
+    """What one step adds up over its micro-batches, then over the ranks.
+
+    Each metric of :data:`STEP_METRICS` is a token-weighted sum and the tokens that weigh it
+    (a micro-batch whose loss was not finite adds none), so its mean is the one over every
+    trained token of the step.
+    """
+
+    weighted: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(STEP_METRICS, 0.0)
+    )
+    weights: dict[str, float] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(STEP_METRICS, 0.0)
+    )
+    input_tokens: float = 0.0
+    failed_losses: float = 0.0
+    """Micro-batches whose loss was not finite."""
+
+    def add(self, values: dict[str, float], trained: float, inputs: int, finite: bool) -> None:
+        self.input_tokens += inputs
+        if not finite:
+            self.failed_losses += 1
+            return
+        for name in STEP_METRICS:
+            if name in values:
+                self.weighted[name] += values[name] * trained
+                self.weights[name] += trained
+
+    def over_ranks(self, device: torch.device) -> StepTotals:
+        """The sums of every rank, in one all-reduce."""
+        named = {f"weighted.{k}": v for k, v in self.weighted.items()}
+        named |= {f"weights.{k}": v for k, v in self.weights.items()}
+        named |= {"input_tokens": self.input_tokens, "failed_losses": self.failed_losses}
+        summed = collectives.sum_over_ranks(named, device)
+        return StepTotals(
+            {k: summed[f"weighted.{k}"] for k in STEP_METRICS},
+            {k: summed[f"weights.{k}"] for k in STEP_METRICS},
+            summed["input_tokens"],
+            summed["failed_losses"],
+        )
+
+    def means(self) -> dict[str, float]:
+        """Each metric's mean over the trained tokens that reported it."""
+        return {k: self.weighted[k] / self.weights[k] for k in STEP_METRICS if self.weights[k]}
+
 
 _CPU_NOISE = (
     "DTensor random operators may not have complete support on cpu",
@@ -88,26 +118,6 @@ _CPU_NOISE = (
     "In CPU autocast, but the target dtype is not supported",
 )
 """torchtitan's warnings on every CPU start; they say nothing the user can act on."""
-
-
-class CheckpointNotWritten(WeightcastError):
-    """The trainer stopped while its last resume checkpoint could still not be written."""
-
-
-@dataclasses.dataclass
-class InFlightCheckpoint:
-    """A resume checkpoint being written and the entries it alone holds."""
-
-    step: int
-    entry_ids: list[str]
-    future: Future[Any]
-    started: float
-    mark: int
-    """The train state's mark to settle once this checkpoint is durable."""
-    finished: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.future.add_done_callback(lambda _: setattr(self, "finished", time.perf_counter()))
 
 
 @dataclasses.dataclass
@@ -149,7 +159,7 @@ class Trainer(ForgeEngine):
         self.leader = torch.distributed.get_rank() == 0
         self.world = torch.distributed.get_world_size()
         self._take_over_checkpoint_cadence()
-        self.durable_step = self._resume()
+        durable = load_newest(self.checkpointer, self.train_state, self.resume_dir, self.leader)
         self.run_id = self.cfg.run_id or self.train_state.run_id or self._new_run_id()
         self.train_state.run_id = self.run_id
         self.consumer = self._consumer_name()
@@ -160,6 +170,19 @@ class Trainer(ForgeEngine):
         self.snapshots = self._snapshot_writer(config)
         self.telemetry = Telemetry(
             self.redis, self.keys, self.cfg.metrics_port, self.leader, self.outage
+        )
+        self.resume_checkpoints = ResumeCheckpoints(
+            self.checkpointer,
+            self.train_state,
+            self.resume_dir,
+            durable,
+            asynchronous=job.checkpoint.async_mode == "async",
+            ack=self.batches.ack,
+            trim=self._trim if self.cfg.trim_stream and self.leader else None,  # one for all
+            telemetry=self.telemetry,
+            needed_bytes=self._checkpoint_bytes,
+            device=self.device,
+            leader=self.leader,
         )
         self._start_loop_state()
         self.telemetry.update(
@@ -188,32 +211,9 @@ class Trainer(ForgeEngine):
         self.checkpointer.interval = 1
         self.checkpointer.states.pop("dataloader", None)
 
-    def _resume(self) -> int:
-        """Load the newest complete resume checkpoint, if any; its step (0 without one)."""
-        if self.leader:
-            for name in remove_partial(self.resume_dir):
-                log.info("removed an unfinished resume checkpoint", name=name)
-        _barrier()
-        found = newest_checkpoint(self.resume_dir)
-        if found is None:
-            return 0
-        step, path = found
-        self.train_state.size_for(path)
-        self.checkpointer.load(step=step)
-        log.info(
-            "resumed",
-            step=self.train_state.step,
-            path=str(path),
-            applied=len(self.train_state.applied),
-        )
-        return self.train_state.step
-
     def _new_run_id(self) -> str:
         """A fresh run id, rank 0's on every rank (sent as a tensor, not pickled)."""
-        token = torch.tensor(list(uuid.uuid4().bytes[:6]), dtype=torch.uint8, device=self.device)
-        if self.world > 1:
-            torch.distributed.broadcast(token, src=0)
-        return bytes(token.tolist()).hex()
+        return collectives.broadcast_bytes(uuid.uuid4().bytes[:6], self.device).hex()
 
     def _consumer_name(self) -> str:
         """The configured name (or the host name), with ``-dp<R>`` per rank under FSDP."""
@@ -254,13 +254,9 @@ class Trainer(ForgeEngine):
 
     def _start_loop_state(self) -> None:
         self.buffer: list[StreamBatch] = []
-        self.to_ack: list[str] = []  # trained, in no checkpoint started yet
-        self.in_flight: InFlightCheckpoint | None = None
         self.stop_signals = 0
         self.publish_skipped = 0
         self.skipped_steps = 0
-        self.checkpoint_failures = 0
-        self.trims_stream = self.cfg.trim_stream and self.leader  # one rank trims for all
 
     @property
     def stop_requested(self) -> bool:
@@ -294,8 +290,8 @@ class Trainer(ForgeEngine):
         while not (steps and self.train_state.step >= steps):
             self._fill()
             plan = self._plan()
-            if self.in_flight is not None and not plan.saving:
-                self._settle()  # done on every rank: nothing to wait for
+            if not plan.saving:
+                self.resume_checkpoints.settle()  # done on every rank: nothing to wait for
             if plan.stop:
                 break
             if not plan.passes:
@@ -315,12 +311,12 @@ class Trainer(ForgeEngine):
     def _plan(self) -> StepPlan:
         """This round's decisions, the same on every rank."""
         rank = torch.distributed.get_rank()
-        saving = self.in_flight is not None and not self.in_flight.future.done()
+        saving = self.resume_checkpoints.saving
         attempts = [item.attempts for item in self.buffer]
         local = local_view(
             attempts, self.cfg.micro_batches, rank, self.world, self.stop_requested, saving
         )
-        return decide(self._max_over_ranks(local), local, rank)
+        return decide(collectives.max_over_ranks(local, self.device), local, rank)
 
     def _step(self, plan: StepPlan) -> None:
         """Train one step; apply it, or drop it when it is not finite; then checkpoint and
@@ -341,13 +337,14 @@ class Trainer(ForgeEngine):
             self._report(force=True)
             return
         state = self.train_state
-        state.record(self._gather_ids([item.entry_id for item in items]))
+        applied = [item.entry_id for item in items]
+        state.record(collectives.gather_ids(applied, self.device))
         state.step += 1
-        self.to_ack += [item.entry_id for item in items]
+        self.resume_checkpoints.trained(applied)
         self.batches.end_step()
         if state.step != self.cfg.steps:  # the last step's are written by _finish
             if state.step % self.resume_every == 0:
-                self._checkpoint()
+                self.resume_checkpoints.save()
             if state.step % self.cfg.publish_every == 0:
                 self._publish()
         seconds = time.perf_counter() - start
@@ -388,8 +385,8 @@ class Trainer(ForgeEngine):
         self.optimizers.zero_grad()
         model = self.model_parts[0]
         tokens = [trained_tokens(b) for b in batches]
-        total = self._all_reduce(torch.tensor([float(sum(tokens))]))[0].item()
-        sums = torch.zeros(2 * len(STEP_METRICS) + 2)  # metric sums, tokens, failed losses
+        total = collectives.sum_over_ranks({"tokens": float(sum(tokens))}, self.device)["tokens"]
+        totals = StepTotals()
         finite = []
         for index in range(passes):
             if index >= len(batches):
@@ -407,27 +404,15 @@ class Trainer(ForgeEngine):
             del logits
             (result.loss * (tokens[index] * self.dp_degree / total)).backward()
             finite.append(math.isfinite(values["loss"]))
-            if finite[-1]:
-                for i, name in enumerate(STEP_METRICS):
-                    if name in values:
-                        sums[2 * i] += values[name] * tokens[index]
-                        sums[2 * i + 1] += tokens[index]
-            else:
-                sums[-1] += 1
-            sums[-2] += batch.num_tokens
+            totals.add(values, tokens[index], batch.num_tokens, finite[-1])
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm,
             foreach=True,
         ).item()
-        sums = self._all_reduce(sums)
-        metrics = {
-            name: (sums[2 * i] / sums[2 * i + 1]).item()
-            for i, name in enumerate(STEP_METRICS)
-            if sums[2 * i + 1] > 0
-        }
-        loss_failed = bool(sums[-1] > 0)
-        metrics |= {"grad_norm": grad_norm, "tokens": sums[-2].item()}
+        totals = totals.over_ranks(self.device)
+        loss_failed = totals.failed_losses > 0
+        metrics = totals.means() | {"grad_norm": grad_norm, "tokens": totals.input_tokens}
         if loss_failed or not math.isfinite(grad_norm):
             self.optimizers.zero_grad()
             return StepOutcome(metrics, False, finite, loss_failed)
@@ -480,125 +465,6 @@ class Trainer(ForgeEngine):
         )
         self.telemetry.update(skipped_steps=self.skipped_steps)
 
-    # -- resume checkpoints --------------------------------------------------------------
-
-    def _checkpoint(self) -> None:
-        """Save a resume checkpoint; acknowledge what it holds once it is durable.
-
-        A synchronous save is durable when ``save()`` returns. An asynchronous one takes the
-        entries trained so far with it and is settled later (``run`` sees it done on every
-        rank, or the next checkpoint or the exit waits for it); entries trained meanwhile
-        wait for the next checkpoint. DCP's staging copies every tensor before ``save()``
-        returns, so the checkpoint holds this step's weights and applied ids. A save that
-        fails leaves its entries for the next checkpoint (:meth:`_checkpoint_failed`).
-        """
-        self._settle()
-        state = self.train_state
-        if state.step == self.durable_step:
-            self.batches.ack(self.to_ack)
-            self.to_ack = []
-            return
-        begin = time.perf_counter()
-        entries, self.to_ack = self.to_ack, []
-        mark = state.checkpointed()
-        failed_at_once = False
-        try:
-            self.checkpointer.save(state.step)
-            future = self.checkpointer.save_future or _done()
-        except CHECKPOINT_ERRORS as exc:
-            future, failed_at_once = _done(exc), True
-        self.in_flight = InFlightCheckpoint(state.step, entries, future, begin, mark)
-        settle_now = self.job_config.checkpoint.async_mode == "disabled"
-        if not settle_now:  # settled at once on every rank if it failed at once on one
-            (settle_now,) = self._max_over_ranks([float(failed_at_once)])
-        if settle_now:
-            self._settle()
-        else:
-            log.info(
-                "resume checkpoint started",
-                step=state.step,
-                entries=len(entries),
-                seconds=time.perf_counter() - begin,
-            )
-
-    def _settle(self) -> None:
-        """Wait for the checkpoint in flight, make it durable, acknowledge what it holds.
-
-        Every rank calls this at the same point. Rank 0's save returns after DCP's
-        ``.metadata``; the all-reduce after rank 0 checked and fsynced it means no rank
-        acknowledges before the checkpoint is complete and durable, and that every rank
-        knows whether it failed anywhere.
-        """
-        saving, self.in_flight = self.in_flight, None
-        if saving is None:
-            return
-        error: BaseException | None = None
-        try:
-            saving.future.result()
-            if self.leader:
-                make_durable(self.resume_dir / f"step-{saving.step}")
-        except CHECKPOINT_ERRORS as exc:
-            error = exc
-        (failed,) = self._max_over_ranks([float(error is not None)])
-        if failed:
-            self.checkpointer.save_future = None  # torchtitan would re-raise it on next save
-            self._checkpoint_failed(saving.step, error, saving.entry_ids)
-            return
-        # result() may return just before the done callback has run: then it is now.
-        seconds = (saving.finished or time.perf_counter()) - saving.started
-        self.durable_step = saving.step
-        self.train_state.settled(saving.mark)
-        self.batches.ack(saving.entry_ids)
-        _barrier()  # rank 0 trims what every rank has just acknowledged
-        trimmed = self._trim() if self.trims_stream else 0
-        log.info(
-            "resume checkpoint",
-            step=saving.step,
-            acked=len(saving.entry_ids),
-            trimmed=trimmed,
-            seconds=seconds,
-            acked_after=time.perf_counter() - saving.started,
-            mode=self.job_config.checkpoint.async_mode,
-        )
-        self.telemetry.update(
-            checkpoint_step=saving.step, checkpoint_seconds=seconds, last_checkpoint_error=""
-        )
-
-    def _checkpoint_failed(
-        self, step: int, error: BaseException | None, entry_ids: list[str]
-    ) -> None:
-        """Training goes on; the entries wait, unacknowledged, for the next checkpoint.
-
-        Rank 0 removes what the failed save left (it frees the space, and torchtitan's
-        retention must never count it and delete a complete checkpoint in its place). A full
-        disk does not always say so (torch's writer reports a short write as "unexpected
-        pos"), so the log compares the free space with what a checkpoint needs.
-        """
-        self.to_ack = entry_ids + self.to_ack
-        self.checkpoint_failures += 1
-        if self.leader:
-            remove_dir(self.resume_dir / f"step-{step}")
-        _barrier()
-        text = _describe(error) if error is not None else "failed on another rank"
-        needed = self._checkpoint_bytes()
-        free = shutil.disk_usage(self.resume_dir).free
-        full = free < needed or _disk_full(error)
-        log.error(
-            "resume checkpoint failed; training goes on, nothing is acknowledged until a "
-            "later checkpoint is written" + (f" (free space in {self.resume_dir})" if full else ""),
-            step=step,
-            error=text,
-            resume_dir=str(self.resume_dir),
-            free_bytes=free,
-            needed_bytes=needed,
-            unacknowledged=len(self.to_ack),
-            durable_step=self.durable_step,
-        )
-        self.telemetry.update(
-            checkpoint_failures=self.checkpoint_failures,
-            last_checkpoint_error=f"step {step}: {text}",
-        )
-
     def _checkpoint_bytes(self) -> int:
         """About the bytes one resume checkpoint takes: model and optimizer tensors."""
         tensors = [*self.model_parts[0].state_dict().values()]
@@ -615,7 +481,7 @@ class Trainer(ForgeEngine):
     def _publish(self) -> None:
         """Start a snapshot unless a write is running on any rank (then skip and count it)."""
         step = self.train_state.step
-        (busy,) = self._max_over_ranks([float(self.snapshots.busy())])
+        (busy,) = collectives.max_over_ranks([float(self.snapshots.busy())], self.device)
         if busy:
             self.publish_skipped += 1
             log.warning("snapshot skipped: the previous write is still running", step=step)
@@ -630,7 +496,7 @@ class Trainer(ForgeEngine):
             already_applied=self.batches.already_applied,
             publish_skipped=self.publish_skipped,
             skipped_steps=self.skipped_steps,
-            checkpoint_failures=self.checkpoint_failures,
+            checkpoint_failures=self.resume_checkpoints.failures,
             snapshots_written=snapshots.written,
             snapshots_skipped_no_space=snapshots.skipped_no_space,
             last_snapshot=snapshots.last_path,
@@ -646,13 +512,13 @@ class Trainer(ForgeEngine):
         so a run always ends with a snapshot of its final weights.
         """
         self.snapshots.wait()
-        _barrier()
+        collectives.barrier()
         step = self.train_state.step
         if self.cfg.steps and step >= self.cfg.steps and self.snapshots.last_step != step:
             self.snapshots.start(self.model_parts[0], step)  # no write is running: waited above
             self.snapshots.wait()
-            _barrier()
-        self._final_checkpoint()
+            collectives.barrier()
+        self.resume_checkpoints.save_final(lambda: self.stop_signals, lambda: self._report(True))
         self._report(force=True)
         log.info(
             "trainer stopped",
@@ -663,67 +529,6 @@ class Trainer(ForgeEngine):
             publish_skipped=self.publish_skipped,
             unread=len(self.buffer),
         )
-
-    def _final_checkpoint(self) -> None:
-        """Checkpoint what was trained, retrying with back-off while the save fails.
-
-        A full disk at exit is waited out (each failure is logged); a signal that arrives
-        meanwhile gives up, leaving the entries pending for the next run to train again.
-        """
-        signals = self.stop_signals
-        pause = 1.0
-        while True:
-            self._checkpoint()
-            self._settle()
-            if self.train_state.step == self.durable_step:
-                return
-            (give_up,) = self._max_over_ranks([float(self.stop_signals > signals)])
-            if give_up:
-                raise CheckpointNotWritten(
-                    f"stopped before a resume checkpoint of step {self.train_state.step} could "
-                    f"be written to {self.resume_dir}; the {len(self.to_ack)} entries trained "
-                    f"since step {self.durable_step} stay pending and are trained again by the "
-                    "next run"
-                )
-            log.warning("retrying the last resume checkpoint", retry_in=pause)
-            self._report(force=True)
-            time.sleep(pause)
-            pause = min(2 * pause, FINAL_RETRY_MAX_S)
-
-    # -- collectives -----------------------------------------------------------------------
-
-    def _max_over_ranks(self, values: list[float]) -> list[float]:
-        """Each value's maximum over all ranks (a flag true anywhere is true everywhere)."""
-        if self.world == 1:
-            return values
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return tensor.tolist()
-
-    def _all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.world == 1:
-            return tensor
-        tensor = tensor.to(self.device)
-        torch.distributed.all_reduce(tensor)
-        return tensor.cpu()
-
-    def _gather_ids(self, entry_ids: list[str]) -> torch.Tensor:
-        """Every rank's applied ids of this step, rank by rank (tensors, no pickle).
-
-        Ranks may apply different numbers of entries in a step (a suspect trains alone), so
-        the counts are gathered first and the ids padded to the largest.
-        """
-        ids = encode_ids(entry_ids)
-        if self.world == 1:
-            return ids
-        counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world)]
-        torch.distributed.all_gather(counts, torch.tensor([len(ids)], device=self.device))
-        largest = max(int(c.item()) for c in counts)
-        padded = torch.zeros(largest, 2, dtype=torch.int64)
-        padded[: len(ids)] = ids
-        parts = [torch.empty_like(padded, device=self.device) for _ in range(self.world)]
-        torch.distributed.all_gather(parts, padded.to(self.device))
-        return torch.cat([p[: int(n.item())].cpu() for p, n in zip(parts, counts, strict=True)])
 
     # -- torchtitan's Stateful train state and signals -----------------------------------
 
@@ -774,41 +579,6 @@ def _default_dist_env() -> None:
         ("MASTER_PORT", "0"),
     ):
         os.environ.setdefault(name, value)
-
-
-def _describe(error: BaseException) -> str:
-    """One line per failure: DCP's CheckpointException holds one exception per rank."""
-    if isinstance(error, CheckpointException):
-        return "; ".join(
-            f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()
-        )
-    return f"{type(error).__name__}: {error}"
-
-
-def _disk_full(error: BaseException | None) -> bool:
-    """Whether ``error`` (or a rank's error inside it) says the filesystem is full."""
-    found = list(error.failures.values()) if isinstance(error, CheckpointException) else []
-    for exc in [error, *(exc for exc, _ in found)]:
-        while exc is not None:
-            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                return True
-            exc = exc.__cause__ or exc.__context__
-    return False
-
-
-def _done(error: BaseException | None = None) -> Future[Any]:
-    """A future already finished: what a synchronous save leaves to wait for."""
-    future: Future[Any] = Future()
-    if error is None:
-        future.set_result(None)
-    else:
-        future.set_exception(error)
-    return future
-
-
-def _barrier() -> None:
-    if torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
 
 
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

@@ -123,7 +123,7 @@ def test_example_configs_load_and_build_a_torchtitan_job(example: str) -> None:
     assert job.checkpoint.enable and job.checkpoint.keep_latest_k == 2
     assert Path(job.checkpoint.folder).is_absolute()
     assert job.training.seq_len == config.trainer.seq_len
-    assert config.trainer.titan["optimizer"]["lr"] == job.optimizer.lr
+    assert config.trainer.lr == job.optimizer.lr
 
 
 def test_a_loss_that_cannot_be_loaded_is_a_configuration_error(cli_env: dict[str, str]) -> None:
