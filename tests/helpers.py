@@ -329,14 +329,21 @@ def push_batches(
     policy_version: int = 0,
     prefix: str = "b",
     seed: int = 0,
+    vocab_size: int = 1024,
+    skip: int = 0,
 ) -> dict[str, str]:
-    """Push ``count`` valid batches, each with a unique ``meta.uid``; stream id -> uid."""
+    """Push ``count`` valid batches, each with a unique ``meta.uid``; stream id -> uid.
+
+    The batches are those after the first ``skip`` of the ``seed``'s sequence, so two calls
+    can push one sequence in two parts."""
     producer = BatchProducer(redis_url, keys.namespace, name="test-producer", max_pending=0)
     generator = torch.Generator().manual_seed(seed)
+    for _ in range(skip):
+        synthetic_batch(generator, batch_size=2, seq_len=16, vocab_size=vocab_size)
     pushed = {}
-    for index in range(count):
+    for index in range(skip, skip + count):
         uid = f"{prefix}{index}"
-        tensors = synthetic_batch(generator, batch_size=2, seq_len=16, vocab_size=1024)
+        tensors = synthetic_batch(generator, batch_size=2, seq_len=16, vocab_size=vocab_size)
         pushed[producer.push(tensors, policy_version, uid=uid)] = uid
     return pushed
 
@@ -697,3 +704,61 @@ def healthz(port: int) -> int:
         return exc.code
     except OSError:
         return 0
+
+
+HF_SHAPES = {
+    "tied-odd": dict(
+        vocab_size=1000,  # not a multiple of 64
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,  # not hidden / heads (16)
+        tie_word_embeddings=True,
+        rope_theta=12345.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=300,
+        eos_token_id=7,
+    ),
+    "untied-odd": dict(
+        vocab_size=515,
+        hidden_size=96,
+        intermediate_size=200,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        head_dim=32,  # not hidden / heads (16)
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        eos_token_id=[3, 4],
+    ),
+}
+"""Two dense Qwen3 shapes that no flavor has: tied and untied, odd vocabularies and
+head_dims, their own rope_theta, rms_norm_eps, max_position_embeddings and eos."""
+
+
+def save_pretrained_qwen3(
+    directory: Path,
+    shape: str = "tied-odd",
+    dtype: torch.dtype = torch.bfloat16,
+    shard_kb: int | None = None,
+    seed: int = 0,
+) -> Path:
+    """A real ``Qwen3ForCausalLM`` checkpoint written by ``transformers``' ``save_pretrained``
+    (sharded into files of at most ``shard_kb`` KB when given), as a user's would be. Its
+    weights are random and then moved off the init's distribution (+0.5 on every norm, a
+    seed-dependent offset elsewhere), so a run that ignored it could not pass for it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPES[shape]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.add_(0.5 if "norm" in name else 0.01 * (seed + 1))
+    model.to(dtype).save_pretrained(
+        directory, **({"max_shard_size": f"{shard_kb}KB"} if shard_kb else {})
+    )
+    return directory

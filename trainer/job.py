@@ -10,7 +10,7 @@ from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
 from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import TrainerConfig
-from weightcast.trainer.model import TRAIN_SPEC_NAME
+from weightcast.trainer.model import START_FLAVOR, TRAIN_SPEC_NAME
 
 UNBOUNDED_STEPS = 10**9
 """The LR schedule's horizon when training runs until stopped."""
@@ -25,6 +25,29 @@ Redis outage while the others wait for it in an all-reduce."""
 ASYNC_MODES = ("disabled", "async")
 """``[trainer.checkpoint] async_mode`` values: a blocking save, or DCP's async_save in a thread."""
 
+OWNED_BY_WEIGHTCAST = {
+    ("model", "name"): "nothing: it is weightcast's own train spec",
+    ("model", "flavor"): "trainer.model (--model)",
+    ("model", "hf_assets_path"): "trainer.init_from (--init-from)",
+    ("checkpoint", "initial_load_path"): "trainer.init_from (--init-from)",
+    ("checkpoint", "initial_load_in_hf"): "trainer.init_from (--init-from)",
+    ("checkpoint", "initial_load_model_only"): "trainer.init_from (--init-from)",
+    ("checkpoint", "load_step"): "nothing: the newest complete resume checkpoint is loaded",
+    ("checkpoint", "folder"): "trainer.resume_dir (--resume-dir)",
+    ("checkpoint", "enable"): "nothing: resume checkpoints are always on (acks wait for them)",
+    ("checkpoint", "last_save_model_only"): "nothing: the last checkpoint is a full one",
+    ("checkpoint", "exclude_from_loading"): "nothing: a resume loads every state",
+    ("training", "seq_len"): "trainer.seq_len (--seq-len)",
+    ("training", "steps"): "trainer.steps (--steps)",
+    ("training", "seed"): "trainer.seed",
+    ("training", "local_batch_size"): "trainer.micro_batches (a batch is one stream entry)",
+    ("training", "dataset"): "nothing: batches come from the Redis stream",
+    ("training", "dataset_path"): "nothing: batches come from the Redis stream",
+    ("optimizer", "lr"): "trainer.lr (--lr)",
+}
+"""torchtitan settings weightcast sets itself, with what to use instead: given in a
+``[trainer.*]`` table they would be overridden or ignored, so they are refused."""
+
 
 def build_job_config(
     cfg: TrainerConfig, resume_dir: Path | None = None, redis_retry_seconds: float = 0.0
@@ -38,7 +61,7 @@ def build_job_config(
     """
     job = ForgeJobConfig()
     job.model.name = TRAIN_SPEC_NAME
-    job.model.flavor = cfg.model
+    job.model.flavor = START_FLAVOR if cfg.init_from else cfg.model
     job.model.hf_assets_path = None
     job.training.seq_len = cfg.seq_len
     job.training.steps = cfg.steps or UNBOUNDED_STEPS
@@ -68,11 +91,12 @@ def build_job_config(
                     f"[trainer.{section_name}] has no setting {key!r}; "
                     f"known: {', '.join(sorted(names))}"
                 )
+            instead = OWNED_BY_WEIGHTCAST.get((section_name, key))
+            if instead is not None:
+                raise ConfigError(
+                    f"[trainer.{section_name}] {key} is set by weightcast; use {instead}"
+                )
             setattr(section, key, value)
-    if job.model.name != TRAIN_SPEC_NAME:
-        raise ConfigError(
-            f"[trainer.model] name must stay {TRAIN_SPEC_NAME!r} (choose the flavor instead)"
-        )
     job.checkpoint.enable = True
     job.checkpoint.folder = str(resume_dir or Path(job.checkpoint.folder).absolute())
     job.checkpoint.last_save_model_only = False

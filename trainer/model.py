@@ -11,6 +11,8 @@ from torchtitan.experiments.forge import train_spec as forge_specs
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 
 TRAIN_SPEC_NAME = "weightcast_qwen3"
+START_FLAVOR = "init-from"
+"""The flavor a run started from a checkpoint trains: that checkpoint's own shape."""
 
 TINY = Qwen3ModelArgs(
     vocab_size=1024,
@@ -77,13 +79,16 @@ def flavor_args(name: str) -> Qwen3ModelArgs:
     return copy.deepcopy(available[name])
 
 
-def register_train_spec() -> None:
-    """Register ``weightcast_qwen3`` with ForgeEngine: torchtitan's qwen3 spec, our flavors."""
+def register_train_spec(start: Qwen3ModelArgs | None = None) -> None:
+    """Register ``weightcast_qwen3`` with ForgeEngine: torchtitan's qwen3 spec, our flavors,
+    and (as :data:`START_FLAVOR`) the shape of the checkpoint a run starts from."""
     base = forge_specs.get_train_spec("qwen3")
     # A private copy: ForgeEngine writes training settings into the args it is given.
     spec = dataclasses.replace(base, model_cls=TiedQwen3Model, model_args=copy.deepcopy(flavors()))
     with contextlib.suppress(ValueError):  # already registered in this process
         forge_specs.register_train_spec(TRAIN_SPEC_NAME, spec)
+    if start is not None:
+        forge_specs.get_train_spec(TRAIN_SPEC_NAME).model_args[START_FLAVOR] = copy.deepcopy(start)
 
 
 def hf_config(args: Qwen3ModelArgs, dtype: str = "bfloat16") -> dict[str, Any]:

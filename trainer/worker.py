@@ -34,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.experiments.forge.engine import ForgeEngine
+from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
 from weightcast.contract.codec import BatchLimits, RolloutBatch
 from weightcast.contract.errors import ConfigError
@@ -44,7 +45,7 @@ from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage
 from weightcast.trainer import collectives
 from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
-from weightcast.trainer.job import build_job_config
+from weightcast.trainer.hf_start import StartCheckpoint, load_start, start_config
 from weightcast.trainer.loss import (
     LossFn,
     LossSettings,
@@ -52,7 +53,7 @@ from weightcast.trainer.loss import (
     policy_entropy,
     trained_tokens,
 )
-from weightcast.trainer.model import flavor_args, hf_config, register_train_spec
+from weightcast.trainer.model import START_FLAVOR, flavor_args, hf_config, register_train_spec
 from weightcast.trainer.resume import TrainState, resume_dir
 from weightcast.trainer.resume_checkpoints import ResumeCheckpoints, load_newest
 from weightcast.trainer.snapshot import SnapshotWriter
@@ -142,8 +143,13 @@ class Trainer(ForgeEngine):
     while training goes on; its entries are acknowledged when every rank reports it done.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(
+        self, config: Config, job: ForgeJobConfig, start: StartCheckpoint | None = None
+    ) -> None:
+        """``job`` is :func:`~weightcast.trainer.job.build_job_config`'s; ``start`` the
+        checked ``--init-from`` checkpoint (:func:`~weightcast.trainer.hf_start.inspect_start`)."""
         self.cfg = config.trainer
+        self.start = start
         self.loss = _load_loss(self.cfg.loss)
         self.loss_settings = LossSettings(
             clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef, dual_clip=self.cfg.dual_clip
@@ -152,14 +158,16 @@ class Trainer(ForgeEngine):
         self.train_state = TrainState(self.cfg.applied_history)
         _quiet_cpu_warnings()
         _default_dist_env()
-        register_train_spec()
-        job = build_job_config(self.cfg, self.resume_dir, config.common.redis_retry_seconds)
+        register_train_spec(start.args if start is not None else None)
         super().__init__(job)  # torchtitan: process group, model, optimizer, LR, checkpointer
         self._require_data_parallel_only()
         self.leader = torch.distributed.get_rank() == 0
         self.world = torch.distributed.get_world_size()
         self._take_over_checkpoint_cadence()
         durable = load_newest(self.checkpointer, self.train_state, self.resume_dir, self.leader)
+        self.fresh_start = durable == 0
+        if self.fresh_start and start is not None:  # a resumed run never reloads its start
+            self._load_start(start)
         self.run_id = self.cfg.run_id or self.train_state.run_id or self._new_run_id()
         self.train_state.run_id = self.run_id
         self.consumer = self._consumer_name()
@@ -211,6 +219,16 @@ class Trainer(ForgeEngine):
         self.checkpointer.interval = 1
         self.checkpointer.states.pop("dataloader", None)
 
+    def _load_start(self, start: StartCheckpoint) -> None:
+        began = time.perf_counter()
+        load_start(self.model_parts[0], start)
+        log.info(
+            "started from a checkpoint",
+            path=str(start.path),
+            tensors=len(start.tensors),
+            seconds=time.perf_counter() - began,
+        )
+
     def _new_run_id(self) -> str:
         """A fresh run id, rank 0's on every rank (sent as a tensor, not pickled)."""
         return collectives.broadcast_bytes(uuid.uuid4().bytes[:6], self.device).hex()
@@ -228,7 +246,7 @@ class Trainer(ForgeEngine):
             self.redis,
             self.keys,
             self.consumer,
-            BatchLimits(vocab_size=flavor_args(cfg.model).vocab_size, max_seq_len=cfg.seq_len),
+            BatchLimits(vocab_size=self.model_args.vocab_size, max_seq_len=cfg.seq_len),
             SourceSettings(
                 block_ms=cfg.block_ms,
                 max_attempts=cfg.max_attempts,
@@ -244,12 +262,12 @@ class Trainer(ForgeEngine):
 
     def _snapshot_writer(self, config: Config) -> SnapshotWriter:
         adapter = self.train_spec.state_dict_adapter(self.model_args, None)
+        if self.start is None:
+            model, snapshot_config = self.cfg.model, hf_config(flavor_args(self.cfg.model))
+        else:
+            model, snapshot_config = START_FLAVOR, start_config(self.start.hf_config)
         return SnapshotWriter(
-            config.common.checkpoint_dir,
-            adapter.to_hf,
-            hf_config(flavor_args(self.cfg.model)),
-            self.cfg.model,
-            self.run_id,
+            config.common.checkpoint_dir, adapter.to_hf, snapshot_config, model, self.run_id
         )
 
     def _start_loop_state(self) -> None:
@@ -277,7 +295,7 @@ class Trainer(ForgeEngine):
             "trainer started",
             run_id=self.run_id,
             consumer=self.consumer,
-            model=self.cfg.model,
+            model=str(self.start.path) if self.start else self.cfg.model,
             step=self.train_state.step,
             steps=steps or "unbounded",
             micro_batches=self.cfg.micro_batches,
@@ -287,6 +305,8 @@ class Trainer(ForgeEngine):
             device=str(self.device),
         )
         self._report(force=True)
+        if self.fresh_start and self.start is not None:
+            self._publish_start()
         while not (steps and self.train_state.step >= steps):
             self._fill()
             plan = self._plan()
@@ -487,6 +507,14 @@ class Trainer(ForgeEngine):
             log.warning("snapshot skipped: the previous write is still running", step=step)
             return
         self.snapshots.start(self.model_parts[0], step)
+
+    def _publish_start(self) -> None:
+        """A step-0 snapshot of the starting weights, written before the first step, so the
+        first version is exactly the trainer's start (a node needs no copy of the directory)."""
+        self.snapshots.start(self.model_parts[0], 0)
+        self.snapshots.wait()
+        collectives.barrier()
+        log.info("published the start", snapshot=self.snapshots.last_path)
 
     def _report(self, force: bool = False) -> None:
         snapshots = self.snapshots

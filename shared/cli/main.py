@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import redis
 
 from weightcast.contract.errors import ConfigError, WeightcastError
 from weightcast.runtime.config import COMMANDS, Config
+from weightcast.runtime.dirs import check_writable_dir
 from weightcast.runtime.logs import configure_logging
 from weightcast.runtime.settings import add_flags, flag_overrides, load_config
 
@@ -84,30 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def writable_dirs(config: Config, command: str) -> dict[str, Path]:
-    """The directories ``command`` writes, by setting name (checked before it starts)."""
+    """The directories ``command`` writes, by setting name (checked before it starts; the
+    trainer checks its own once its starting checkpoint is known to be good)."""
     common = config.common
-    if command == "trainer":
-        from weightcast.trainer.resume import resume_dir
-
-        return {"checkpoint_dir": common.checkpoint_dir, "trainer.resume_dir": resume_dir(config)}
     if command == "publisher":
         return {"checkpoint_dir": common.checkpoint_dir, "weights_dir": common.weights_dir}
     if command == "up":
         return {"up.workdir": config.up.workdir}
     return {}
-
-
-def check_writable_dir(path: Path, name: str) -> None:
-    """Create ``path`` if needed and prove it writable (a real write: root ignores modes)."""
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{name} {path} is not a directory")
-    probe = path / f".weightcast-probe-{uuid.uuid4().hex[:8]}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"{name} {path} is not writable: {exc.strerror or exc}") from None
 
 
 def _run(args: argparse.Namespace, config: Config) -> int:

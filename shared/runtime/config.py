@@ -145,7 +145,21 @@ class CommonConfig:
 
 @dataclass
 class TrainerConfig:
-    model: str = setting("tiny", "Qwen3 flavor", flag="--model", choices=MODELS)
+    model: str = setting(
+        "tiny",
+        "Qwen3 flavor to build with random weights; with init_from the checkpoint's config.json "
+        "gives the shape, and a model given too must agree with it",
+        flag="--model",
+        choices=MODELS,
+    )
+    init_from: str = setting(
+        "",
+        "start a fresh run from this Hugging Face checkpoint directory (config.json and "
+        "model.safetensors or shards, as save_pretrained writes them; dense Qwen3, bf16, fp16 "
+        "or fp32); a run that finds a resume checkpoint resumes from it instead",
+        flag="--init-from",
+        commands=("trainer", "up"),
+    )
     steps: int = setting(
         0, "optimizer steps to train before exiting; 0 trains until stopped", flag="--steps", ge=0
     )
@@ -171,7 +185,7 @@ class TrainerConfig:
         le=1,
     )
     lr: float = setting(
-        8e-4, "the optimizer's peak learning rate (after warm-up)", flag="--lr", gt=0, le=1
+        8e-4, "the optimizer's peak learning rate (after warm-up)", flag="--lr", gt=0
     )
     kl_coef: float = setting(
         0.0, "weight of the k3 KL to the reference log-probabilities", flag="--kl-coef", ge=0
@@ -465,7 +479,6 @@ class UpConfig:
         "learns the toy task within the default steps)",
         flag="--lr",
         gt=0,
-        le=1,
     )
     vllm_python: str = setting(
         "",

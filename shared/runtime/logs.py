@@ -33,15 +33,20 @@ def get_logger(name: str) -> StructuredLogger:
     return StructuredLogger(logging.getLogger(full), {})
 
 
+def _source(record: logging.LogRecord) -> str:
+    """Who logged ``record``: weightcast's module, or the library (torchtitan logs through
+    the root logger; ``warnings.warn`` arrives as ``py.warnings``)."""
+    if record.name == "root":
+        return "torchtitan" if "torchtitan" in record.pathname else "root"
+    return record.name.removeprefix("weightcast.")
+
+
 class _TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%H:%M:%S", time.localtime(record.created))
         fields = getattr(record, _FIELDS, {})
         tail = "".join(f" {k}={_text(v)}" for k, v in fields.items())
-        line = (
-            f"{stamp} {record.levelname:<5} {record.name.removeprefix('weightcast.')}: "
-            f"{record.getMessage()}{tail}"
-        )
+        line = f"{stamp} {record.levelname:<5} {_source(record)}: {record.getMessage()}{tail}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -52,7 +57,7 @@ class _JsonFormatter(logging.Formatter):
         entry = {
             "ts": round(record.created, 3),
             "level": record.levelname.lower(),
-            "logger": record.name.removeprefix("weightcast."),
+            "logger": _source(record),
             "event": record.getMessage(),
             **getattr(record, _FIELDS, {}),
         }
@@ -62,15 +67,21 @@ class _JsonFormatter(logging.Formatter):
 
 
 def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
-    """Send weightcast's logs to stderr in ``fmt`` (``text`` or ``json``)."""
+    """Send weightcast's logs to stderr in ``fmt`` (``text`` or ``json``), and with them the
+    warnings and errors of the libraries underneath (torchtitan, torch, ``warnings.warn``),
+    which would otherwise print bare or not at all."""
     if fmt not in ("text", "json"):
         raise ValueError(f"log format must be 'text' or 'json', got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_JsonFormatter() if fmt == "json" else _TextFormatter())
-    root = logging.getLogger("weightcast")
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
-    root.propagate = False
+    ours = logging.getLogger("weightcast")
+    ours.handlers[:] = [handler]
+    ours.setLevel(level.upper())
+    ours.propagate = False
+    libraries = logging.getLogger()
+    libraries.handlers[:] = [handler]
+    libraries.setLevel(max(logging.WARNING, logging.getLevelName(level.upper())))
+    logging.captureWarnings(True)
 
 
 def _text(value: Any) -> str:

@@ -59,7 +59,7 @@ def test_micro_batches_accumulate_into_the_update_of_one_big_batch(
     # eps = lr makes AdamW's first update proportional to the gradient, not just its sign.
     config = tmp_path / "linear.toml"
     config.write_text(
-        "[trainer.optimizer]\nlr = 10.0\neps = 10.0\nweight_decay = 0.0\n"
+        "[trainer]\nlr = 10.0\n[trainer.optimizer]\neps = 10.0\nweight_decay = 0.0\n"
         "[trainer.training]\nmax_norm = 1e9\n"
     )
     results = {}

@@ -15,12 +15,14 @@ def test_weightcast_settings_and_overrides_reach_torchtitan() -> None:
         model="0.6B",
         steps=0,
         seq_len=512,
-        titan={"optimizer": {"lr": 1e-6}, "lr_scheduler": {"warmup_steps": 7}},
+        lr=1e-6,
+        titan={"optimizer": {"eps": 1e-9}, "lr_scheduler": {"warmup_steps": 7}},
     )
     job = build_job_config(cfg)
     assert (job.model.name, job.model.flavor) == (TRAIN_SPEC_NAME, "0.6B")
     assert job.training.seq_len == 512 and job.training.steps == UNBOUNDED_STEPS
-    assert job.optimizer.lr == 1e-6 and job.lr_scheduler.warmup_steps == 7
+    assert job.optimizer.lr == 1e-6 and job.optimizer.eps == 1e-9
+    assert job.lr_scheduler.warmup_steps == 7
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,308 @@
+"""Starting a run from a Hugging Face checkpoint directory (``trainer.init_from``).
+
+The directory is what ``transformers``' ``save_pretrained`` writes for a dense Qwen3:
+``config.json``, then ``model.safetensors`` or shards listed by
+``model.safetensors.index.json``, in bf16, fp16 or fp32. :func:`inspect_start` reads and
+checks all of it before anything is built or written: the model's shape comes from
+``config.json`` (:func:`model_args_from_hf`, pure), every file the index names must exist,
+every safetensors header must be whole and agree with its file, and every tensor the model
+needs must be there with the shape the config implies and a float dtype. A bad start is a
+:class:`ConfigError` naming the file, so ``weightcast trainer`` exits 2 with one line.
+
+:func:`load_start` then fills the model through torchtitan's Qwen3 state-dict adapter and
+DCP's ``HuggingFaceStorageReader``: under FSDP each rank reads only the slices of its own
+shards (``safe_open(...).get_slice``), straight into its parameters, cast to their dtype;
+no rank holds a second full copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
+
+from weightcast.contract.errors import ConfigError
+from weightcast.contract.snapshots import CONFIG_NAME
+from weightcast.contract.tensorfile import HeaderError, TensorSpan, read_header
+from weightcast.contract.untrusted import json_object
+
+ARCHITECTURE = "Qwen3ForCausalLM"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+START_DTYPES = ("BF16", "F16", "F32")
+"""The dtypes a starting checkpoint may hold (safetensors' names)."""
+
+HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0}
+MAX_POSITIONS = 32_768
+"""What ``transformers``' ``Qwen3Config`` assumes when ``config.json`` leaves a field out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StartCheckpoint:
+    """A checked starting checkpoint: where it is, its config and the model it makes."""
+
+    path: Path
+    hf_config: dict[str, Any]
+    """``config.json`` as the directory has it (snapshots of the run carry it on)."""
+    args: Qwen3ModelArgs
+    tensors: Mapping[str, TensorSpan]
+    """Every tensor of the checkpoint by HF name (its file is in ``files``)."""
+    files: Mapping[str, str]
+    """The file that holds each tensor, relative to ``path``."""
+
+
+def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
+    """torchtitan's Qwen3 args for a dense Qwen3 ``config.json`` (``where`` names it).
+
+    Every field is checked for its type and bounds; what torchtitan's Qwen3 cannot build
+    (attention biases, rope scaling, sliding windows, another architecture) is refused
+    rather than ignored.
+    """
+    architectures = config.get("architectures")
+    if architectures != [ARCHITECTURE]:
+        raise ConfigError(
+            f"{where}: architectures is {architectures!r}; --init-from takes a dense "
+            f"{ARCHITECTURE} checkpoint (MoE and other models are not supported yet)"
+        )
+    if config.get("model_type", "qwen3") != "qwen3":
+        raise ConfigError(f"{where}: model_type is {config.get('model_type')!r}, not 'qwen3'")
+    for name, allowed in (
+        ("attention_bias", False),
+        ("use_sliding_window", False),
+        ("rope_scaling", None),
+        ("hidden_act", "silu"),
+    ):
+        if config.get(name, allowed) != allowed:
+            raise ConfigError(
+                f"{where}: {name} is {config[name]!r}; torchtitan's Qwen3 supports only {allowed!r}"
+            )
+    heads = _int(config, "num_attention_heads", where)
+    hidden = _int(config, "hidden_size", where)
+    kv_heads = _int(config, "num_key_value_heads", where, default=heads)
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of {kv_heads}")
+    return Qwen3ModelArgs(
+        vocab_size=_int(config, "vocab_size", where),
+        dim=hidden,
+        n_layers=_int(config, "num_hidden_layers", where),
+        n_heads=heads,
+        n_kv_heads=kv_heads,
+        head_dim=_int(config, "head_dim", where, default=hidden // heads),
+        hidden_dim=_int(config, "intermediate_size", where),
+        norm_eps=_positive(config, "rms_norm_eps", where),
+        rope_theta=_rope_theta(config, where),
+        max_seq_len=_int(config, "max_position_embeddings", where, MAX_POSITIONS),
+        qk_norm=True,
+        enable_weight_tying=_bool(config, "tie_word_embeddings", where),
+        eos_id=_eos(config, where),
+    )
+
+
+def inspect_start(path: Path) -> StartCheckpoint:
+    """Read and check the checkpoint in ``path``; raises :class:`ConfigError` naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"trainer.init_from {path}: no such directory")
+    config_path = path / CONFIG_NAME
+    config = json_object(_read(config_path), str(config_path), ConfigError)
+    args = model_args_from_hf(config, str(config_path))
+    files, names = _tensor_files(path)
+    tensors: dict[str, TensorSpan] = {}
+    for name in names:
+        for span in _header(path / name).tensors:
+            if files.get(span.name, name) != name:
+                raise ConfigError(
+                    f"{path / name}: holds {span.name}, which {INDEX_FILE} places in "
+                    f"{files[span.name]}"
+                )
+            tensors[span.name] = span
+            files[span.name] = name
+    _check_tensors(tensors, files, path, args)
+    return StartCheckpoint(path.absolute(), config, args, tensors, files)
+
+
+def start_config(config: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any]:
+    """The ``config.json`` of the run's snapshots: the checkpoint's own, in ``dtype``."""
+    dtypes = {"torch_dtype": dtype} | ({"dtype": dtype} if "dtype" in config else {})
+    return {**config, **dtypes}
+
+
+def check_model_flag(model: str, flavor: Qwen3ModelArgs, start: StartCheckpoint) -> None:
+    """Refuse a ``--model`` flavor whose shape contradicts the checkpoint's ``config.json``."""
+    keys = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")
+    keys += ("enable_weight_tying",)
+    differ = [k for k in keys if getattr(flavor, k) != getattr(start.args, k)]
+    if differ:
+        given = ", ".join(f"{k}={getattr(flavor, k)}" for k in differ)
+        found = ", ".join(f"{k}={getattr(start.args, k)}" for k in differ)
+        raise ConfigError(
+            f"trainer.model {model!r} ({given}) contradicts {start.path / CONFIG_NAME} "
+            f"({found}); leave --model out to train the checkpoint's own shape"
+        )
+
+
+def load_start(model: torch.nn.Module, start: StartCheckpoint) -> None:
+    """Fill ``model`` (built from ``start.args``, FSDP or not) with the checkpoint's weights."""
+    adapter = Qwen3StateDictAdapter(start.args, None)
+    hf_state = adapter.to_hf(model.state_dict())
+    if start.args.enable_weight_tying:
+        hf_state.pop("lm_head.weight", None)  # one parameter, loaded as embed_tokens
+    dcp.load(hf_state, storage_reader=HuggingFaceStorageReader(str(start.path)))
+    state = adapter.from_hf(hf_state)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"output.weight"} if start.args.enable_weight_tying else set()
+    if unexpected or set(missing) - tied:
+        raise ConfigError(
+            f"{start.path}: the checkpoint did not fill the model (missing {missing}, "
+            f"unexpected {unexpected})"
+        )
+
+
+def expected_tensors(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor torchtitan's Qwen3 with ``args`` holds, with its shape (built on the
+    meta device: nothing is allocated)."""
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    names = Qwen3StateDictAdapter(args, None).to_hf(model.state_dict())
+    if args.enable_weight_tying:
+        names.pop("lm_head.weight", None)
+    return {name: tuple(tensor.shape) for name, tensor in names.items()}
+
+
+def _check_tensors(
+    tensors: Mapping[str, TensorSpan], files: Mapping[str, str], path: Path, args: Qwen3ModelArgs
+) -> None:
+    expected = expected_tensors(args)
+    for name, shape in expected.items():
+        span = tensors.get(name)
+        if span is None:
+            raise ConfigError(f"{path}: {name} is missing from the checkpoint's files")
+        where = path / files[name]
+        if span.shape != shape:
+            raise ConfigError(
+                f"{where}: {name} has shape {list(span.shape)}; {CONFIG_NAME} implies {list(shape)}"
+            )
+        if span.dtype not in START_DTYPES:
+            raise ConfigError(
+                f"{where}: {name} is {span.dtype}; a starting checkpoint holds "
+                f"{', '.join(START_DTYPES)}"
+            )
+    tied_head = {"lm_head.weight"} if args.enable_weight_tying else set()
+    extra = sorted(set(tensors) - set(expected) - tied_head)
+    if extra:
+        raise ConfigError(
+            f"{path / files[extra[0]]}: {extra[0]} is not a tensor of the model "
+            f"{CONFIG_NAME} describes ({len(extra)} such); it would be ignored"
+        )
+
+
+def _tensor_files(path: Path) -> tuple[dict[str, str], list[str]]:
+    """Tensor name -> file as the index places them (none for a single
+    ``model.safetensors``), and the files to read."""
+    index_path = path / INDEX_FILE
+    on_disk = {p.name for p in path.glob("*.safetensors")}
+    if not index_path.exists():
+        if SINGLE_FILE not in on_disk:
+            raise ConfigError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} is there")
+        if on_disk != {SINGLE_FILE}:
+            raise ConfigError(
+                f"{path}: {sorted(on_disk - {SINGLE_FILE})[0]} is there beside {SINGLE_FILE} "
+                f"and no {INDEX_FILE} says which to read"
+            )
+        return {}, [SINGLE_FILE]
+    index = json_object(_read(index_path), str(index_path), ConfigError)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise ConfigError(f"{index_path}: weight_map must map tensor names to file names")
+    for name in sorted(set(weight_map.values())):
+        if Path(name).name != name or not name.endswith(".safetensors"):
+            raise ConfigError(f"{index_path}: {name!r} is not a .safetensors file in {path}")
+        if name not in on_disk:
+            raise ConfigError(f"{index_path}: names {name}, which is not in {path}")
+    stray = on_disk - set(weight_map.values())
+    if stray:
+        raise ConfigError(
+            f"{path / sorted(stray)[0]}: not in {INDEX_FILE}; DCP's reader would read it too"
+        )
+    return dict(weight_map), sorted(set(weight_map.values()))
+
+
+def _header(file: Path) -> Any:
+    try:
+        fd = os.open(file, os.O_RDONLY)
+    except OSError as exc:
+        raise ConfigError(f"{file}: {exc.strerror}") from None
+    try:
+        return read_header(fd, str(file))
+    except HeaderError as exc:
+        raise ConfigError(f"{exc} (truncated or not a safetensors file)") from None
+    finally:
+        os.close(fd)
+
+
+def _read(file: Path) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{file}: {exc.strerror or exc}") from None
+
+
+def _int(config: Mapping[str, Any], name: str, where: str, default: int | None = None) -> int:
+    value = config.get(name, default)
+    if value is None and default is not None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive(config: Mapping[str, Any], name: str, where: str) -> float:
+    value = config.get(name, HF_DEFAULTS[name])
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"{where}: {name} must be a positive number, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where}: {name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _bool(config: Mapping[str, Any], name: str, where: str) -> bool:
+    value = config.get(name, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: {name} must be true or false, got {value!r}")
+    return value
+
+
+def _rope_theta(config: Mapping[str, Any], where: str) -> float:
+    """``rope_theta`` at the top (transformers 4) or in ``rope_parameters`` (5)."""
+    rope = config.get("rope_parameters")
+    if rope is None:
+        return _positive(config, "rope_theta", where)
+    if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default":
+        raise ConfigError(
+            f"{where}: rope_parameters {rope!r}: torchtitan's Qwen3 supports only the "
+            "default rope (rope_type 'default')"
+        )
+    return _positive(rope, "rope_theta", where)
+
+
+def _eos(config: Mapping[str, Any], where: str) -> int:
+    """The end-of-sequence id (the first, when ``config.json`` lists several; torchtitan's
+    default when it names none: only flex attention's document masking reads it)."""
+    value = config.get("eos_token_id")
+    if value is None:
+        return Qwen3ModelArgs.eos_id
+    first = value[0] if isinstance(value, list) and value else value
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ConfigError(f"{where}: eos_token_id must be a token id, got {value!r}")
+    return first
