@@ -33,7 +33,6 @@ from weightcast.contract.layout import (
     check_tp,
     fused_config,
     plan_version,
-    rank_slice,
 )
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
@@ -44,6 +43,7 @@ from weightcast.contract.manifest import (
     file_entry,
     sha256_bytes,
 )
+from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshots import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.publisher.safetensors_writer import (
@@ -179,9 +179,9 @@ def _write(tmp: Path, planned: PlannedFile, source: Source, digest: str, tp: int
 
 def rank_rows(tensor: PlannedTensor, tp: int) -> tuple[tuple[int, int], ...]:
     """The byte range of ``tensor`` that each of ``tp`` ranks reads, by rank, when ranks
-    read their own rows of it (:func:`~weightcast.contract.layout.rank_slice` along dim 0);
+    read their own rows of it (:func:`~weightcast.contract.sharding.rank_slice` along dim 0);
     empty when every rank reads all of it (replicated, or columns: every row is read)."""
-    if tp == 1 or tensor.rank is not None or tensor.shard.get("kind") == "hf":
+    if tp == 1 or tensor.rank is not None or tensor.shard.kind == ShardKind.HF:
         return ()
     row = tensor.nbytes // tensor.shape[0] if tensor.shape and tensor.shape[0] else 0
     ranges = []
@@ -216,7 +216,7 @@ def _manifest(
     snapshot: Snapshot, version: int, plan: VersionPlan, files: list[FileEntry]
 ) -> Manifest:
     tensors = [
-        TensorEntry(t.name, f.name, list(t.shape), TORCH_NAMES[t.dtype], dict(t.shard), t.rank)
+        TensorEntry(t.name, f.name, list(t.shape), TORCH_NAMES[t.dtype], t.shard, t.rank)
         for f in plan.listed
         for t in f.tensors
     ]

@@ -43,7 +43,6 @@ from weightcast.client.confine import (
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
 from weightcast.client.versions import VersionInfo
 from weightcast.contract.errors import LayoutError, WeightsError
-from weightcast.contract.layout import RankSlice, rank_slice
 from weightcast.contract.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -52,6 +51,7 @@ from weightcast.contract.manifest import (
     TensorEntry,
     sha256_bytes,
 )
+from weightcast.contract.sharding import RankSlice, rank_slice
 from weightcast.contract.snapshots import CONFIG_NAME
 from weightcast.contract.tensorfile import DTYPE_SIZES, TORCH_NAMES, TensorSpan
 from weightcast.contract.untrusted import json_object
@@ -82,7 +82,7 @@ def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int) -> list[Want]:
     """What vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of each tensor.
 
     Per-rank files: that rank's entries, whole. Otherwise each tensor's
-    :func:`~weightcast.contract.layout.rank_slice`. Raises
+    :func:`~weightcast.contract.sharding.rank_slice`. Raises
     :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version cannot serve.
     """
     if not 0 <= tp_rank < tp_size:
@@ -94,15 +94,10 @@ def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int) -> list[Want]:
                 f"not tp={tp_size}"
             )
         return [Want(e, None) for e in manifest.tensors if e.rank == tp_rank]
-    wants = []
-    for entry in manifest.tensors:
-        try:
-            wants.append(Want(entry, rank_slice(entry.shard, entry.shape, tp_rank, tp_size)))
-        except (KeyError, TypeError, IndexError):
-            raise WeightsError(
-                f"{MANIFEST_NAME}: tensor {entry.name} has a malformed shard {entry.shard!r}"
-            ) from None
-    return wants
+    return [
+        Want(entry, rank_slice(entry.shard, entry.shape, tp_rank, tp_size))
+        for entry in manifest.tensors
+    ]
 
 
 def whole_wants(manifest: Manifest) -> list[Want]:
@@ -206,9 +201,8 @@ class VersionReader:
             raise WeightsError(f"{label}: sha256 differs from the registry's manifest_sha256")
         try:
             manifest = Manifest.from_json(data)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            problem = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise WeightsError(f"{label}: not a valid manifest ({problem})") from None
+        except ManifestError as exc:
+            raise WeightsError(f"{label}: not a valid manifest ({exc})") from None
         check_node_manifest(manifest, label)
         return manifest
 
@@ -261,16 +255,6 @@ def check_node_manifest(manifest: Manifest, label: str) -> None:
             raise WeightsError(
                 f"{label}: tensor {t.name} is in {t.file!r}, a file the manifest does not list"
             )
-        if not isinstance(t.shard, dict) or not _is_shape(t.shape):
-            raise WeightsError(f"{label}: tensor {t.name} has a malformed shape or shard")
-        if manifest.per_rank_files and not isinstance(t.rank, int):
-            raise WeightsError(f"{label}: tensor {t.name} of a per-rank version has no rank")
-
-
-def _is_shape(shape: Any) -> bool:
-    return isinstance(shape, list) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
-    )
 
 
 def _key(info: VersionInfo) -> RecordKey:

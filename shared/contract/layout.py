@@ -22,14 +22,14 @@ each of them. The publisher only resolves regions to bytes and writes them.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.tensorfile import DTYPE_SIZES
+from weightcast.contract.sharding import Shard, ShardKind, rank_slice
+from weightcast.contract.tensorfile import nbytes
 
 if TYPE_CHECKING:  # torch only for assemble/unfuse; the publish path runs without it
     import torch
@@ -94,22 +94,24 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
-        """Read a ``config.json`` dict; head_dim comes from the config, never hidden/heads."""
-        try:
-            heads = int(config["num_attention_heads"])
-            return cls(
-                num_layers=int(config["num_hidden_layers"]),
-                hidden_size=int(config["hidden_size"]),
-                intermediate_size=int(config["intermediate_size"]),
-                num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-                vocab_size=int(config["vocab_size"]),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                attention_bias=bool(config.get("attention_bias", False)),
-            )
-        except KeyError as exc:
-            raise LayoutError(f"config.json lacks {exc.args[0]!r}") from None
+        """Read a ``config.json`` dict; head_dim comes from the config, never hidden/heads.
+
+        The dict may come from a version on disk: every number must be a positive integer
+        and every flag a boolean, or a :class:`LayoutError` names the field.
+        """
+        heads = _config_number(config, "num_attention_heads")
+        hidden = _config_number(config, "hidden_size")
+        return cls(
+            num_layers=_config_number(config, "num_hidden_layers"),
+            hidden_size=hidden,
+            intermediate_size=_config_number(config, "intermediate_size"),
+            num_heads=heads,
+            num_kv_heads=_config_number(config, "num_key_value_heads", heads),
+            head_dim=_config_number(config, "head_dim", hidden // heads),
+            vocab_size=_config_number(config, "vocab_size"),
+            tie_word_embeddings=_config_flag(config, "tie_word_embeddings"),
+            attention_bias=_config_flag(config, "attention_bias"),
+        )
 
     @property
     def q_rows(self) -> int:
@@ -118,6 +120,27 @@ class ModelShape:
     @property
     def kv_rows(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def _config_number(config: Mapping[str, Any], name: str, default: int | None = None) -> int:
+    """A positive integer of ``config.json``; ``default`` stands in for a null or 0."""
+    value = config.get(name)
+    if default is not None and (value is None or (type(value) is int and value == 0)):
+        return default
+    if value is None:
+        raise LayoutError(f"config.json lacks {name!r}")
+    if type(value) is not int or value < 1:
+        raise LayoutError(f"config.json: {name} is {value!r}, not a positive integer")
+    return value
+
+
+def _config_flag(config: Mapping[str, Any], name: str) -> bool:
+    value = config.get(name)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise LayoutError(f"config.json: {name} is {value!r}, not true or false")
+    return value
 
 
 @dataclass(frozen=True)
@@ -142,7 +165,7 @@ class FusedTensor:
 
     name: str
     pieces: tuple[RowRange, ...]
-    shard: Mapping[str, Any]
+    shard: Shard
 
     @property
     def rows(self) -> int:
@@ -279,14 +302,7 @@ def plan_vllm_fused(
                 FusedTensor(
                     f"{prefix}.qkv_proj.{kind}",
                     qkv_pieces(shape, tp, q, k, v),
-                    {
-                        "kind": "qkv",
-                        "dim": 0,
-                        "tp": tp,
-                        "rank_rows": q_per_rank + 2 * kv_per_rank,
-                        "q_rows": q_per_rank,
-                        "kv_rows": kv_per_rank,
-                    },
+                    Shard.qkv(tp, q_per_rank, kv_per_rank),
                 )
             )
             consumed.update((q, k, v))
@@ -299,13 +315,7 @@ def plan_vllm_fused(
                 FusedTensor(
                     f"{prefix}.gate_up_proj.{kind}",
                     gate_up_pieces(shape, tp, gate, up),
-                    {
-                        "kind": "gate_up",
-                        "dim": 0,
-                        "tp": tp,
-                        "rank_rows": 2 * per_rank,
-                        "gate_rows": per_rank,
-                    },
+                    Shard.gate_up(tp, per_rank),
                 )
             )
             consumed.update((gate, up))
@@ -375,54 +385,6 @@ def unfuse(
     }
 
 
-VOCAB_PADDING = 64
-"""vLLM pads the vocabulary to a multiple of this before splitting it over ranks."""
-
-
-@dataclass(frozen=True)
-class RankSlice:
-    """Rank ``r``'s part of a tensor: indices ``[start, stop)`` along ``dim``."""
-
-    dim: int
-    start: int
-    stop: int
-
-
-def rank_slice(
-    shard: Mapping[str, Any], shape: Sequence[int], rank: int, tp: int
-) -> RankSlice | None:
-    """Which part of a published tensor vLLM's tensor-parallel rank ``rank`` holds.
-
-    ``shard`` is the tensor's manifest shard spec and ``shape`` its full published shape.
-    None means the rank holds all of it (replicated). Fused tensors were laid out for one tp
-    and cannot serve another. Vocab-parallel tensors follow ``VocabParallelEmbedding``: the
-    vocabulary padded to a multiple of 64, split evenly, the padding rows absent here.
-    """
-    if not 0 <= rank < tp:
-        raise LayoutError(f"rank {rank} is outside tp={tp}")
-    kind = shard.get("kind")
-    if kind in ("qkv", "gate_up"):
-        if shard["tp"] != tp:
-            raise LayoutError(f"a tensor fused for tp={shard['tp']} cannot serve tp={tp}")
-        rows = shard["rank_rows"]
-        return RankSlice(0, rank * rows, (rank + 1) * rows)
-    if kind == "vocab_parallel":
-        vocab = shape[0]
-        per_rank = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING // tp
-        if per_rank * tp % VOCAB_PADDING:
-            raise LayoutError(f"tp={tp} does not divide the padded vocabulary of {vocab}")
-        return RankSlice(0, min(rank * per_rank, vocab), min((rank + 1) * per_rank, vocab))
-    if kind == "row_parallel":
-        columns = shape[1]
-        if columns % tp:
-            raise LayoutError(f"tp={tp} does not divide the {columns} input columns")
-        per_rank = columns // tp
-        return RankSlice(1, rank * per_rank, (rank + 1) * per_rank)
-    if kind == "replicated":
-        return None
-    raise LayoutError(f"unknown shard kind {kind!r}")
-
-
 # The publish plan of a version: files, their tensors, and the source regions of each.
 
 
@@ -442,19 +404,20 @@ Region = RowRange | ColumnRange
 class PlannedTensor:
     """A tensor of a published file: the concatenation of ``regions`` (row-major bytes).
 
-    ``shard`` and ``rank`` are what the manifest records (see :class:`RankSlice`).
+    ``shard`` and ``rank`` are what the manifest records (see
+    :func:`~weightcast.contract.sharding.rank_slice`).
     """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     regions: tuple[Region, ...]
-    shard: Mapping[str, Any]
+    shard: Shard
     rank: int | None = None
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        return nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)
@@ -580,7 +543,7 @@ def _hf_files(
     sources: Mapping[str, tuple[str, Sequence[int]]], shape: ModelShape, prefix: str
 ) -> tuple[PlannedFile, ...]:
     tensors = [
-        PlannedTensor(name, dtype, tuple(size), _whole(name, size), {"kind": "hf"})
+        PlannedTensor(name, dtype, tuple(size), _whole(name, size), Shard(ShardKind.HF))
         for name, (dtype, size) in sources.items()
         if not (name == "lm_head.weight" and shape.tie_word_embeddings)
     ]
@@ -602,12 +565,12 @@ def _whole(name: str, size: Sequence[int]) -> tuple[Region, ...]:
     return (RowRange(name, 0, size[0] if size else 1),)
 
 
-def _unfused_shard(name: str) -> dict[str, Any]:
+def _unfused_shard(name: str) -> Shard:
     if name in _VOCAB:
-        return {"kind": "vocab_parallel", "dim": 0}
+        return Shard(ShardKind.VOCAB_PARALLEL)
     if _ROW_PARALLEL.search(name):
-        return {"kind": "row_parallel", "dim": 1}
-    return {"kind": "replicated"}
+        return Shard(ShardKind.ROW_PARALLEL)
+    return Shard(ShardKind.REPLICATED)
 
 
 def _expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) -> None:

@@ -361,7 +361,7 @@ MALFORMED_MANIFESTS = {
     ),
     "a tensor's shape is not a list of sizes": (
         lambda v: edit_manifest(v, lambda m: m["tensors"][0].update(shape="big")),
-        "malformed shape or shard",
+        r"tensors\[0\]\.shape is 'big', not a list of integers >= 0",
     ),
     "too big to read": (
         lambda v: os.truncate(v / MANIFEST_NAME, 65 * 1024 * 1024),
