@@ -104,7 +104,8 @@ def whole_wants(manifest: Manifest) -> list[Want]:
     """Every tensor whole; a version split into per-rank files has no whole tensors."""
     if manifest.per_rank_files:
         raise WeightsError(
-            f"version {manifest.version} is split into per-rank files; read it with rank_tensors"
+            f"{MANIFEST_NAME}: version {manifest.version} is split into per-rank files "
+            "(per_rank_files); read it with rank_tensors"
         )
     return [Want(e, None) for e in manifest.tensors]
 

@@ -31,10 +31,18 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
-from helpers import Deployment, copy_version, rank_part, register_version
+from helpers import (
+    Deployment,
+    copy_version,
+    rank_part,
+    redigest,
+    register_version,
+    split_per_rank,
+)
 
 TP = 2
-EXAMPLES = 300
+EXAMPLES = 200
+"""Random manifests per kind of version, drawn from a fixed seed."""
 
 
 @pytest.fixture
@@ -57,12 +65,13 @@ def poisoned() -> Iterator[None]:
 
 
 class Version:
-    """One copy of v1 whose manifest the test rewrites; each rewrite is registered anew."""
+    """One copy of version ``source`` whose manifest the test rewrites; each rewrite is
+    registered anew."""
 
-    def __init__(self, deployment: Deployment) -> None:
+    def __init__(self, deployment: Deployment, source: int = 1) -> None:
         self.deployment = deployment
-        self.number, self.directory = copy_version(deployment, 1)
-        register_version(deployment, self.number, like=1)
+        self.number, self.directory = copy_version(deployment, source)
+        register_version(deployment, self.number, like=source)
         self.valid: dict[str, Any] = json.loads((self.directory / MANIFEST_NAME).read_text())
         self.reader = deployment.reader()
 
@@ -106,18 +115,20 @@ def assert_bytes_of_the_file(
     version: Version, tensors: dict[str, torch.Tensor], rank: int | None
 ) -> None:
     """``tensors`` are, byte for byte, what the version's files hold for them (a whole
-    tensor, or tp rank ``rank``'s part of it)."""
+    tensor, or tp rank ``rank``'s part of it: its slice, or its entry in a per-rank file)."""
     manifest = Manifest.read(version.directory)
     files = {
         name: load_file(str(version.directory / name))
         for name in {t.file for t in manifest.tensors}
     }
-    entries = {t.name: t for t in manifest.tensors}
+    per_rank = manifest.per_rank_files
+    entries = {t.name: t for t in manifest.tensors if t.rank == (rank if per_rank else None)}
     assert tensors.keys() == entries.keys()
     for name, got in tensors.items():
         entry = entries[name]
         full = files[entry.file][name]
-        want = full if rank is None else rank_part(full, entry.shard, rank, TP)
+        whole = rank is None or per_rank
+        want = full if whole else rank_part(full, entry.shard, rank, TP)
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert torch.equal(raw_bytes(got), raw_bytes(want)), f"{name}: bytes not read from the file"
 
@@ -299,10 +310,28 @@ def mutated(draw: st.DrawFn, valid: dict) -> dict:
     return manifest
 
 
+def format_1(deployment: Deployment) -> int:
+    """A copy of v1 with whole-file SHA-256 digests, as older publishers wrote it."""
+    number, directory = copy_version(deployment, 1)
+    redigest(directory, algorithm="sha256")
+    register_version(deployment, number, like=1)
+    return number
+
+
+SOURCES: dict[str, Callable[[Deployment], int]] = {
+    "blocks cut at the ranks' rows": lambda deployment: 1,
+    "per-rank files": lambda deployment: split_per_rank(deployment, 1),
+    "format 1 (whole-file sha256)": format_1,
+}
+
+
+@pytest.mark.parametrize("source", list(SOURCES))
 def test_random_mutations_never_crash_a_node_or_return_unverified_bytes(
-    deployment: Deployment, poisoned: None
+    deployment: Deployment, poisoned: None, source: str
 ) -> None:
-    version = Version(deployment)
+    version = Version(deployment, SOURCES[source](deployment))
+    for exc in read_everything(version):  # the valid version: only load refuses per-rank files
+        assert "is split into per-rank files" in str(exc), str(exc)
     outcomes = {"refused": 0, "read": 0}
 
     @seed(19)
@@ -317,7 +346,7 @@ def test_random_mutations_never_crash_a_node_or_return_unverified_bytes(
         version.write(manifest)
         refusals = read_everything(version)  # raises on any other exception or bad byte
         for exc in refusals:
-            assert str(exc).startswith(str(version.directory)), str(exc)
+            assert str(version.directory) in str(exc) or MANIFEST_NAME in str(exc), str(exc)
         outcomes["refused" if refusals else "read"] += 1
 
     check()
