@@ -1,7 +1,7 @@
 """Reading a published version on a node: confined, verified, only the bytes a rank needs.
 
 :class:`VersionReader` is the file side of a node, with no Redis: hand it a
-:class:`~weightcast.client.versions.VersionInfo` (from a lease) and it
+:class:`~weightcast.contract.version_info.VersionInfo` (from a lease) and it
 
 1. opens the version directory and every file without following symlinks, plain names only
    (:mod:`weightcast.client.confine`);
@@ -41,7 +41,6 @@ from weightcast.client.confine import (
     registered_parts,
 )
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
-from weightcast.client.versions import VersionInfo
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.manifest import (
     MANIFEST_NAME,
@@ -55,6 +54,7 @@ from weightcast.contract.sharding import RankSlice, rank_slice
 from weightcast.contract.snapshots import CONFIG_NAME
 from weightcast.contract.tensorfile import DTYPE_SIZES, TORCH_NAMES, TensorSpan
 from weightcast.contract.untrusted import json_object
+from weightcast.contract.version_info import VersionInfo
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 16 * 1024 * 1024

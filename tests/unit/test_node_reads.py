@@ -14,8 +14,8 @@ import torch
 
 from weightcast.client.block_reads import Rect, copy_rect
 from weightcast.client.confine import registered_parts
-from weightcast.client.versions import VersionInfo
 from weightcast.contract.errors import RedisFull, WeightsError
+from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.retry import Outage, redis_full
 
 ROOT = Path("/data/weights")
