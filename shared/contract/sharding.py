@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weightcast.contract.errors import LayoutError
+from weightcast.contract.untrusted import shown
 
 VOCAB_PADDING = 64
 """vLLM pads the vocabulary to a multiple of this before splitting it over ranks."""
@@ -104,18 +105,20 @@ class Shard:
     def from_json(cls, raw: object) -> Shard:
         """Parse a manifest's shard spec; :class:`LayoutError` names the field at fault."""
         if not isinstance(raw, Mapping):
-            raise LayoutError(f"is {raw!r}, not an object")
+            raise LayoutError(f"is {shown(raw)}, not an object")
         try:
             kind = ShardKind(raw.get("kind"))
         except ValueError:
-            raise LayoutError(f"kind {raw.get('kind')!r} is not one of {_KIND_NAMES}") from None
+            raise LayoutError(
+                f"kind {shown(raw.get('kind'))} is not one of {_KIND_NAMES}"
+            ) from None
         fields = {"kind", *(("dim",) if kind in _DIMS else ())}
         if kind in FUSED_KINDS:
             fields |= {"tp", "rank_rows", *_ROW_FIELDS[kind]}
         if extra := sorted(set(raw) - fields, key=str):
             raise LayoutError(f"has fields a {kind} shard does not: {extra}")
         if "dim" in raw and (type(raw["dim"]) is not int or raw["dim"] != _DIMS[kind]):
-            raise LayoutError(f"dim {raw['dim']!r}: a {kind} shard splits dim {_DIMS[kind]}")
+            raise LayoutError(f"dim {shown(raw['dim'])}: a {kind} shard splits dim {_DIMS[kind]}")
         if kind not in FUSED_KINDS:
             return cls(kind)
         numbers = {name: _positive(raw, name) for name in ("tp", *_ROW_FIELDS[kind])}
@@ -154,7 +157,7 @@ def _check_dims(shard: Shard, shape: Sequence[int]) -> None:
 def _positive(raw: Mapping[str, Any], name: str) -> int:
     value = raw.get(name)
     if type(value) is not int or value < 1:
-        raise LayoutError(f"{name} {value!r} is not a positive integer")
+        raise LayoutError(f"{name} {shown(value)} is not a positive integer")
     return value
 
 

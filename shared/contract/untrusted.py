@@ -37,9 +37,9 @@ class Fields:
     ) -> None:
         self.where, self.error = where, error
         if not isinstance(raw, dict):
-            raise error(f"{where or 'it'} is {_show(raw)}, not an object")
+            raise error(f"{where or 'it'} is {shown(raw)}, not an object")
         if unknown := sorted(set(raw) - set(known)):
-            raise error(f"{where or 'it'} has unknown fields {_show(unknown)}")
+            raise error(f"{where or 'it'} has unknown fields {shown(unknown)}")
         self.raw: dict[str, Any] = raw
 
     def path(self, name: str) -> str:
@@ -57,7 +57,7 @@ class Fields:
         """An integer ``>= minimum`` (not a float, not a bool)."""
         value = self.value(name, default)
         if not _is_integer(value, minimum):
-            raise self.error(f"{self.path(name)} is {_show(value)}, not an integer >= {minimum}")
+            raise self.error(f"{self.path(name)} is {shown(value)}, not an integer >= {minimum}")
         return value
 
     def optional_integer(self, name: str, minimum: int = 0) -> int | None:
@@ -70,7 +70,7 @@ class Fields:
         value = self.value(name)
         if not isinstance(value, list) or not all(_is_integer(v, minimum) for v in value):
             raise self.error(
-                f"{self.path(name)} is {_show(value)}, not a list of integers >= {minimum}"
+                f"{self.path(name)} is {shown(value)}, not a list of integers >= {minimum}"
             )
         return value
 
@@ -83,7 +83,7 @@ class Fields:
         """A string, one of ``choices`` when given."""
         value = self.value(name)
         if not isinstance(value, str):
-            raise self.error(f"{self.path(name)} is {_show(value)}, not a string")
+            raise self.error(f"{self.path(name)} is {shown(value)}, not a string")
         if choices is not None and value not in choices:
             raise self.error(
                 f"{self.path(name)} is {value!r}, not one of {', '.join(sorted(choices))}"
@@ -98,20 +98,20 @@ class Fields:
     def texts(self, name: str) -> list[str]:
         value = self.value(name)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self.error(f"{self.path(name)} is {_show(value)}, not a list of strings")
+            raise self.error(f"{self.path(name)} is {shown(value)}, not a list of strings")
         return value
 
     def flag(self, name: str, default: bool) -> bool:
         value = self.value(name, default)
         if not isinstance(value, bool):
-            raise self.error(f"{self.path(name)} is {_show(value)}, not true or false")
+            raise self.error(f"{self.path(name)} is {shown(value)}, not true or false")
         return value
 
     def items(self, name: str) -> list[Any]:
         """A list, whose items the caller reads."""
         value = self.value(name)
         if not isinstance(value, list):
-            raise self.error(f"{self.path(name)} is {_show(value)}, not a list")
+            raise self.error(f"{self.path(name)} is {shown(value)}, not a list")
         return value
 
 
@@ -119,7 +119,7 @@ def _is_integer(value: object, minimum: int) -> bool:
     return type(value) is int and value >= minimum
 
 
-def _show(value: object) -> str:
+def shown(value: object) -> str:
     """``repr(value)``, cut short and shallow: a hostile field may be a list of a million
     items, or nested deep."""
     return reprlib.repr(value)
