@@ -307,6 +307,9 @@ def _part(want: Want, spans: dict[str, TensorSpan], label: str) -> _Part:
         part = None  # all of it (tp 1): one contiguous range, read straight into the tensor
     if part is None:
         return _Part(entry.name, dtype, shape, Rect(span.start, 1, 0, span.nbytes))
+    if not 0 <= part.start <= part.stop <= shape[part.dim]:
+        # Every returned byte must lie in the tensor's own verified blocks: never past it.
+        raise WeightsError(f"{label}: tensor {entry.name} {list(shape)} has no part {part}")
     count = part.stop - part.start
     if part.dim == 0:
         row = math.prod(shape[1:]) * item
