@@ -2,7 +2,7 @@
 
 :func:`convert` is the publish path in one place: open the snapshot's source
 (:func:`~weightcast.publisher.sources.open_source`: byte ranges from the safetensors
-headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.layout.plan_version`,
+headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.plan.plan_version`,
 pure), write each planned file (:mod:`weightcast.publisher.safetensors_writer`: copy, digest
 per block, check floats) and the JSON files, then the manifest. Everything goes to
 ``.tmp-v<N>/``, is fsynced, and only then renamed to ``v<N>/``: a ``v*`` directory is always
@@ -21,19 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
-from weightcast.contract.layout import (
-    LAYOUT_HF,
-    LAYOUT_VLLM_FUSED,
-    LayoutError,
-    ModelShape,
-    PlannedFile,
-    PlannedTensor,
-    VersionPlan,
-    check_shapes,
-    check_tp,
-    fused_config,
-    plan_version,
-)
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.fusion import ModelShape, check_shapes, check_tp
+from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED, fused_config
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
     MANIFEST_NAME,
@@ -43,6 +33,7 @@ from weightcast.contract.manifest import (
     file_entry,
     sha256_bytes,
 )
+from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, plan_version
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshots import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES

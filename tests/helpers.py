@@ -31,8 +31,9 @@ from safetensors.torch import load_file, save, save_file
 from weightcast.client.producer import BatchProducer
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.codec import BATCH_FIELD, META_FIELD
+from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import TRAINER_GROUP, Keys
-from weightcast.contract.layout import FUSED_WEIGHTS_FILE, ModelShape, fused_rank_file
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import (
     BLOCK_BYTES,
     DEFAULT_DIGEST,

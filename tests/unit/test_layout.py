@@ -10,16 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightcast.contract.layout import (
-    FUSED_WEIGHTS_FILE,
-    LayoutError,
-    ModelShape,
-    assemble,
-    check_tp,
-    fused_config,
-    plan_vllm_fused,
-    unfuse,
-)
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.fusion import ModelShape, assemble, check_tp, plan_vllm_fused, unfuse
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_config
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 from weightcast.contract.snapshots import SnapshotInfo

@@ -15,7 +15,7 @@ import torch
 
 from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.staging import RankPart
-from weightcast.contract.layout import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
 from weightcast.contract.sharding import Shard, ShardKind
 
 from helpers import hf_state, rank_part, shape_of

@@ -51,7 +51,8 @@ from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.protocol import REFUSED, InitInfo, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.layout import LAYOUT_HF, ModelShape, check_shapes
+from weightcast.contract.fusion import ModelShape, check_shapes
+from weightcast.contract.layout import LAYOUT_HF
 from weightcast.contract.sharding import ShardKind
 from weightcast.runtime.config import load_config
 

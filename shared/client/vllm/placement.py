@@ -24,7 +24,7 @@ import torch
 
 from weightcast.client.vllm.staging import RankPart
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.layout import ModelShape, expected_shape, kv_head_of_rank
+from weightcast.contract.fusion import ModelShape, expected_shape, kv_head_of_rank
 from weightcast.contract.sharding import ShardKind, rank_slice
 
 _PACKED = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")

@@ -15,8 +15,9 @@ import torch
 
 from weightcast.client.vllm.protocol import Source
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.errors import WeightsError
-from weightcast.contract.layout import LAYOUT_HF, LayoutError, ModelShape
+from weightcast.contract.errors import LayoutError, WeightsError
+from weightcast.contract.fusion import ModelShape
+from weightcast.contract.layout import LAYOUT_HF
 from weightcast.contract.sharding import Shard, ShardKind
 
 
