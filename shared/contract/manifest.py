@@ -42,6 +42,9 @@ DEFAULT_DIGEST = "xxh3-128"
 DIGESTS = ("xxh3-128", "blake3")
 """Block digest algorithms a manifest may name (``sha256`` is format 1's whole-file one)."""
 _CHUNK = 8 * 1024 * 1024
+MAX_DIMS = 64
+"""The most dimensions a tensor entry may list: a model's tensors have one or two, and the
+bound keeps the size arithmetic of a hostile shape small."""
 
 
 class ManifestError(WeightsError):
@@ -302,6 +305,10 @@ def _tensor_entry(
         shard,
         tensor.optional_integer("rank"),
     )
+    if len(entry.shape) > MAX_DIMS:
+        raise ManifestError(
+            f"{where}.shape has {len(entry.shape)} dimensions, more than {MAX_DIMS}"
+        )
     if (shard.kind == ShardKind.HF) != (header.layout == LAYOUT_HF):
         raise ManifestError(f"{where}.shard is {shard.kind}, in a {header.layout} version")
     if header.per_rank_files != (entry.rank is not None) or (entry.rank or 0) >= header.tp:

@@ -225,6 +225,10 @@ HOSTILE_FIELDS = {
         r"embed_tokens\.weight\): 35184372088832 bytes of bfloat16 \[1099511627776, 16\], "
         r"more than its file model\.vllm-fused holds",
     ),
+    "a shape of 100000 dimensions": (
+        lambda m: m["tensors"][0].update(shape=[2**62] * 100_000),
+        r"tensors\[0\] \(.*\)\.shape has 100000 dimensions, more than 64",
+    ),
 }
 
 
