@@ -224,7 +224,7 @@ class Manifest:
         by_name = {f.name: f for f in files}
         if len(by_name) != len(files):
             raise ManifestError("files lists a file twice")
-        header = _Header(
+        context = _Context(
             layout=top.text("layout", (LAYOUT_VLLM_FUSED, LAYOUT_HF)),
             tp=top.integer("tp", minimum=1),
             per_rank_files=top.flag("per_rank_files", False),
@@ -234,14 +234,14 @@ class Manifest:
             step=top.integer("step"),
             run_id=top.text("run_id"),
             snapshot_id=top.text("snapshot_id"),
-            layout=header.layout,
-            tp=header.tp,
+            layout=context.layout,
+            tp=context.tp,
             dtype=top.text("dtype", TORCH_NAMES.values()),
             files=files,
             tensors=[
-                _tensor_entry(t, i, header, by_name) for i, t in enumerate(top.items("tensors"))
+                _tensor_entry(t, i, context, by_name) for i, t in enumerate(top.items("tensors"))
             ],
-            per_rank_files=header.per_rank_files,
+            per_rank_files=context.per_rank_files,
             hf_dir=top.optional_text("hf_dir"),
             format=top.text("format"),
         )
@@ -252,7 +252,7 @@ class Manifest:
 
 
 @dataclass(frozen=True)
-class _Header:
+class _Context:
     """The manifest's fields that its tensor entries are checked against."""
 
     layout: str
@@ -288,7 +288,7 @@ def _block_digests(raw: object, where: str) -> BlockDigests:
 
 
 def _tensor_entry(
-    raw: object, index: int, header: _Header, files: dict[str, FileEntry]
+    raw: object, index: int, context: _Context, files: dict[str, FileEntry]
 ) -> TensorEntry:
     tensor = Fields(raw, f"tensors[{index}]", ManifestError, _names(TensorEntry))
     name = tensor.text("name")
@@ -309,15 +309,15 @@ def _tensor_entry(
         raise ManifestError(
             f"{where}.shape has {len(entry.shape)} dimensions, more than {MAX_DIMS}"
         )
-    if (shard.kind == ShardKind.HF) != (header.layout == LAYOUT_HF):
-        raise ManifestError(f"{where}.shard is {shard.kind}, in a {header.layout} version")
-    if header.per_rank_files != (entry.rank is not None) or (entry.rank or 0) >= header.tp:
+    if (shard.kind == ShardKind.HF) != (context.layout == LAYOUT_HF):
+        raise ManifestError(f"{where}.shard is {shard.kind}, in a {context.layout} version")
+    if context.per_rank_files != (entry.rank is not None) or (entry.rank or 0) >= context.tp:
         raise ManifestError(
             f"{where}.rank is {entry.rank!r}: a version "
-            f"{'with' if header.per_rank_files else 'without'} per-rank files for tp={header.tp}"
+            f"{'with' if context.per_rank_files else 'without'} per-rank files for tp={context.tp}"
         )
     try:
-        shard.check(entry.shape, header.tp, whole=not header.per_rank_files)
+        shard.check(entry.shape, context.tp, whole=not context.per_rank_files)
     except LayoutError as exc:
         raise ManifestError(f"{where}.shard does not fit its shape {entry.shape}: {exc}") from None
     file = files.get(entry.file)

@@ -116,7 +116,7 @@ class Shard:
         if kind in FUSED_KINDS:
             fields |= {"tp", "rank_rows", *_ROW_FIELDS[kind]}
         if extra := sorted(set(raw) - fields, key=str):
-            raise LayoutError(f"has fields a {kind} shard does not: {extra}")
+            raise LayoutError(f"has fields a {kind} shard does not: {shown(extra)}")
         if "dim" in raw and (type(raw["dim"]) is not int or raw["dim"] != _DIMS[kind]):
             raise LayoutError(f"dim {shown(raw['dim'])}: a {kind} shard splits dim {_DIMS[kind]}")
         if kind not in FUSED_KINDS:
