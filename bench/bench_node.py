@@ -51,9 +51,9 @@ from pathlib import Path
 import weightcast.client.reader as reader_module
 from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
-from weightcast.client.versions import VersionInfo
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, SnapshotInfo
+from weightcast.contract.version_info import VersionInfo
 from weightcast.publisher.converter import ConvertOptions, convert
 from weightcast.publisher.snapshots import Snapshot
 

@@ -2,7 +2,7 @@
 
 :func:`convert` is the publish path in one place: open the snapshot's source
 (:func:`~weightcast.publisher.sources.open_source`: byte ranges from the safetensors
-headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.layout.plan_version`,
+headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.plan.plan_version`,
 pure), write each planned file (:mod:`weightcast.publisher.safetensors_writer`: copy, digest
 per block, check floats) and the JSON files, then the manifest. Everything goes to
 ``.tmp-v<N>/``, is fsynced, and only then renamed to ``v<N>/``: a ``v*`` directory is always
@@ -21,20 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
-from weightcast.contract.layout import (
-    LAYOUT_HF,
-    LAYOUT_VLLM_FUSED,
-    LayoutError,
-    ModelShape,
-    PlannedFile,
-    PlannedTensor,
-    VersionPlan,
-    check_shapes,
-    check_tp,
-    fused_config,
-    plan_version,
-    rank_slice,
-)
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.fusion import ModelShape, check_shapes, check_tp
+from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED, fused_config
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
     MANIFEST_NAME,
@@ -44,6 +33,8 @@ from weightcast.contract.manifest import (
     file_entry,
     sha256_bytes,
 )
+from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, plan_version
+from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshots import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.publisher.safetensors_writer import (
@@ -179,9 +170,9 @@ def _write(tmp: Path, planned: PlannedFile, source: Source, digest: str, tp: int
 
 def rank_rows(tensor: PlannedTensor, tp: int) -> tuple[tuple[int, int], ...]:
     """The byte range of ``tensor`` that each of ``tp`` ranks reads, by rank, when ranks
-    read their own rows of it (:func:`~weightcast.contract.layout.rank_slice` along dim 0);
+    read their own rows of it (:func:`~weightcast.contract.sharding.rank_slice` along dim 0);
     empty when every rank reads all of it (replicated, or columns: every row is read)."""
-    if tp == 1 or tensor.rank is not None or tensor.shard.get("kind") == "hf":
+    if tp == 1 or tensor.rank is not None or tensor.shard.kind == ShardKind.HF:
         return ()
     row = tensor.nbytes // tensor.shape[0] if tensor.shape and tensor.shape[0] else 0
     ranges = []
@@ -216,7 +207,7 @@ def _manifest(
     snapshot: Snapshot, version: int, plan: VersionPlan, files: list[FileEntry]
 ) -> Manifest:
     tensors = [
-        TensorEntry(t.name, f.name, list(t.shape), TORCH_NAMES[t.dtype], dict(t.shard), t.rank)
+        TensorEntry(t.name, f.name, list(t.shape), TORCH_NAMES[t.dtype], t.shard, t.rank)
         for f in plan.listed
         for t in f.tensors
     ]

@@ -31,9 +31,8 @@ from typing import Any
 import redis
 
 from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
-from weightcast.contract.errors import ConfigError
+from weightcast.contract.errors import ConfigError, LayoutError
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
-from weightcast.contract.layout import LayoutError
 from weightcast.contract.manifest import ManifestError, new_hasher
 from weightcast.contract.snapshots import snapshot_step
 from weightcast.publisher.converter import (

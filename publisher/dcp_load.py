@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from weightcast.contract.layout import ColumnRange, PlannedFile, Region
+from weightcast.contract.plan import ColumnRange, PlannedFile, Region
 from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS
 from weightcast.contract.tensorfile import TensorSpan, safetensors_dtype
 from weightcast.publisher.safetensors_writer import Piece

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Protocol
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.layout import ColumnRange, PlannedFile, Region, RowRange
+from weightcast.contract.fusion import RowRange
+from weightcast.contract.plan import ColumnRange, PlannedFile, Region
 from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_KEY
 from weightcast.contract.tensorfile import DTYPE_SIZES, HeaderError, TensorSpan, read_header
 from weightcast.publisher.safetensors_writer import Columns, FileRange, Piece

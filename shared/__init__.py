@@ -18,7 +18,7 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "WeightsClient": "weightcast.client.weights",
     "AsyncWeightsClient": "weightcast.client.weights",
-    "VersionInfo": "weightcast.client.weights",
+    "VersionInfo": "weightcast.contract.version_info",
     "VersionGone": "weightcast.contract.errors",
     "WeightsError": "weightcast.contract.errors",
     "BatchProducer": "weightcast.client.producer",
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
         BackPressureTimeout,
         BatchProducer,
     )
-    from weightcast.client.weights import AsyncWeightsClient, VersionInfo, WeightsClient
+    from weightcast.client.weights import AsyncWeightsClient, WeightsClient
     from weightcast.contract.codec import BatchLimits, RolloutBatch
     from weightcast.contract.errors import (
         ConfigError,
@@ -74,6 +74,7 @@ if TYPE_CHECKING:
     )
     from weightcast.contract.keys import Keys
     from weightcast.contract.manifest import Manifest
+    from weightcast.contract.version_info import VersionInfo
 
 
 def __getattr__(name: str) -> Any:

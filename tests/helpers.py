@@ -19,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,9 @@ from safetensors.torch import load_file, save, save_file
 from weightcast.client.producer import BatchProducer
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.codec import BATCH_FIELD, META_FIELD
+from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import TRAINER_GROUP, Keys
-from weightcast.contract.layout import FUSED_WEIGHTS_FILE, ModelShape, fused_rank_file, rank_slice
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import (
     BLOCK_BYTES,
     DEFAULT_DIGEST,
@@ -46,6 +47,7 @@ from weightcast.contract.manifest import (
     sha256_bytes,
     sha256_file,
 )
+from weightcast.contract.sharding import Shard, rank_slice
 from weightcast.contract.snapshots import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
@@ -534,8 +536,8 @@ def tmpfs(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", str(path)], check=False)
 
 
-def rank_part(tensor: torch.Tensor, shard: Mapping[str, Any], rank: int, tp: int) -> torch.Tensor:
-    """What tp rank ``rank`` holds of a published ``tensor`` (``layout.rank_slice``), a view."""
+def rank_part(tensor: torch.Tensor, shard: Shard, rank: int, tp: int) -> torch.Tensor:
+    """What tp rank ``rank`` holds of a published ``tensor`` (``sharding.rank_slice``), a view."""
     part = rank_slice(shard, list(tensor.shape), rank, tp)
     return tensor if part is None else tensor.narrow(part.dim, part.start, part.stop - part.start)
 

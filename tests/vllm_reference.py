@@ -2,7 +2,8 @@
 
 This mirrors ``QKVParallelLinear.weight_loader`` and ``MergedColumnParallelLinear.weight_loader``
 (vllm/model_executor/layers/linear.py) fed the HF tensors q, k, v (gate, up) one shard id at a
-time. It is deliberately independent of ``weightcast.contract.layout``: the tests compare the two.
+time. It is deliberately independent of ``weightcast.contract.fusion`` and ``sharding``: the
+tests compare the two.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from weightcast.client.versions import VersionInfo
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import VersionGone, WeightsError
+from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("node")

@@ -1,7 +1,7 @@
 """Reading a published version on a node: confined, verified, only the bytes a rank needs.
 
 :class:`VersionReader` is the file side of a node, with no Redis: hand it a
-:class:`~weightcast.client.versions.VersionInfo` (from a lease) and it
+:class:`~weightcast.contract.version_info.VersionInfo` (from a lease) and it
 
 1. opens the version directory and every file without following symlinks, plain names only
    (:mod:`weightcast.client.confine`);
@@ -41,9 +41,7 @@ from weightcast.client.confine import (
     registered_parts,
 )
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
-from weightcast.client.versions import VersionInfo
 from weightcast.contract.errors import LayoutError, WeightsError
-from weightcast.contract.layout import RankSlice, rank_slice
 from weightcast.contract.manifest import (
     MANIFEST_NAME,
     FileEntry,
@@ -52,9 +50,11 @@ from weightcast.contract.manifest import (
     TensorEntry,
     sha256_bytes,
 )
+from weightcast.contract.sharding import RankSlice, rank_slice
 from weightcast.contract.snapshots import CONFIG_NAME
 from weightcast.contract.tensorfile import DTYPE_SIZES, TORCH_NAMES, TensorSpan
 from weightcast.contract.untrusted import json_object
+from weightcast.contract.version_info import VersionInfo
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -82,7 +82,7 @@ def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int) -> list[Want]:
     """What vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of each tensor.
 
     Per-rank files: that rank's entries, whole. Otherwise each tensor's
-    :func:`~weightcast.contract.layout.rank_slice`. Raises
+    :func:`~weightcast.contract.sharding.rank_slice`. Raises
     :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version cannot serve.
     """
     if not 0 <= tp_rank < tp_size:
@@ -94,22 +94,18 @@ def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int) -> list[Want]:
                 f"not tp={tp_size}"
             )
         return [Want(e, None) for e in manifest.tensors if e.rank == tp_rank]
-    wants = []
-    for entry in manifest.tensors:
-        try:
-            wants.append(Want(entry, rank_slice(entry.shard, entry.shape, tp_rank, tp_size)))
-        except (KeyError, TypeError, IndexError):
-            raise WeightsError(
-                f"{MANIFEST_NAME}: tensor {entry.name} has a malformed shard {entry.shard!r}"
-            ) from None
-    return wants
+    return [
+        Want(entry, rank_slice(entry.shard, entry.shape, tp_rank, tp_size))
+        for entry in manifest.tensors
+    ]
 
 
 def whole_wants(manifest: Manifest) -> list[Want]:
     """Every tensor whole; a version split into per-rank files has no whole tensors."""
     if manifest.per_rank_files:
         raise WeightsError(
-            f"version {manifest.version} is split into per-rank files; read it with rank_tensors"
+            f"{MANIFEST_NAME}: version {manifest.version} is split into per-rank files "
+            "(per_rank_files); read it with rank_tensors"
         )
     return [Want(e, None) for e in manifest.tensors]
 
@@ -206,9 +202,8 @@ class VersionReader:
             raise WeightsError(f"{label}: sha256 differs from the registry's manifest_sha256")
         try:
             manifest = Manifest.from_json(data)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            problem = f"lacks {exc}" if isinstance(exc, KeyError) else str(exc)
-            raise WeightsError(f"{label}: not a valid manifest ({problem})") from None
+        except ManifestError as exc:
+            raise WeightsError(f"{label}: not a valid manifest ({exc})") from None
         check_node_manifest(manifest, label)
         return manifest
 
@@ -261,16 +256,6 @@ def check_node_manifest(manifest: Manifest, label: str) -> None:
             raise WeightsError(
                 f"{label}: tensor {t.name} is in {t.file!r}, a file the manifest does not list"
             )
-        if not isinstance(t.shard, dict) or not _is_shape(t.shape):
-            raise WeightsError(f"{label}: tensor {t.name} has a malformed shape or shard")
-        if manifest.per_rank_files and not isinstance(t.rank, int):
-            raise WeightsError(f"{label}: tensor {t.name} of a per-rank version has no rank")
-
-
-def _is_shape(shape: Any) -> bool:
-    return isinstance(shape, list) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape
-    )
 
 
 def _key(info: VersionInfo) -> RecordKey:
@@ -322,6 +307,9 @@ def _part(want: Want, spans: dict[str, TensorSpan], label: str) -> _Part:
         part = None  # all of it (tp 1): one contiguous range, read straight into the tensor
     if part is None:
         return _Part(entry.name, dtype, shape, Rect(span.start, 1, 0, span.nbytes))
+    if not 0 <= part.start <= part.stop <= shape[part.dim]:
+        # Every returned byte must lie in the tensor's own verified blocks: never past it.
+        raise WeightsError(f"{label}: tensor {entry.name} {list(shape)} has no part {part}")
     count = part.stop - part.start
     if part.dim == 0:
         row = math.prod(shape[1:]) * item

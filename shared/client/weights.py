@@ -27,10 +27,11 @@ import torch
 
 from weightcast.client.identity import default_node_id
 from weightcast.client.reader import VersionReader
-from weightcast.client.versions import VersionInfo, leased_info, live_info
+from weightcast.client.versions import leased_info, live_info
 from weightcast.contract.errors import VersionGone, WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import Manifest
+from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import REDIS_DOWN
 

@@ -23,13 +23,16 @@ import itertools
 import json
 import os
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from weightcast.contract.errors import WeightsError
-from weightcast.contract.untrusted import json_object
+from weightcast.contract.errors import LayoutError, WeightsError
+from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED
+from weightcast.contract.sharding import Shard, ShardKind
+from weightcast.contract.tensorfile import TORCH_NAMES, nbytes, safetensors_dtype
+from weightcast.contract.untrusted import Fields, json_object
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "weightcast.manifest/2"
@@ -39,6 +42,9 @@ DEFAULT_DIGEST = "xxh3-128"
 DIGESTS = ("xxh3-128", "blake3")
 """Block digest algorithms a manifest may name (``sha256`` is format 1's whole-file one)."""
 _CHUNK = 8 * 1024 * 1024
+MAX_DIMS = 64
+"""The most dimensions a tensor entry may list: a model's tensors have one or two, and the
+bound keeps the size arithmetic of a hostile shape small."""
 
 
 class ManifestError(WeightsError):
@@ -160,7 +166,7 @@ class FileEntry:
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor in one file. ``shard`` says how vLLM splits it (see ``layout.rank_slice``).
+    """One tensor in one file. ``shard`` says how vLLM splits it (see ``sharding.rank_slice``).
 
     ``rank`` is None for a whole tensor. In a version with per-rank files each tensor has one
     entry per rank: ``file`` is that rank's file, ``shape`` the rank's part, ``rank`` its rank.
@@ -170,8 +176,12 @@ class TensorEntry:
     file: str
     shape: list[int]
     dtype: str
-    shard: dict[str, Any]
+    shard: Shard
     rank: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(safetensors_dtype(self.dtype), self.shape)
 
 
 @dataclass
@@ -196,27 +206,127 @@ class Manifest:
         return sum(f.bytes for f in self.files)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        raw = asdict(self)
+        for entry, tensor in zip(raw["tensors"], self.tensors, strict=True):
+            entry["shard"] = tensor.shard.as_json()
+        return json.dumps(raw, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse ``manifest.json``, checking every field's type and bounds, each tensor's
+        shard spec against its shape, and its bytes against its file's size: any fault is a
+        :class:`ManifestError` naming the field."""
         raw = json_object(text, MANIFEST_NAME, ManifestError)
         if raw.get("format") not in MANIFEST_FORMATS:
             raise ManifestError(f"unknown manifest format {raw.get('format')!r}")
-        raw["files"] = [_file_entry(f) for f in raw["files"]]
-        raw["tensors"] = [TensorEntry(**t) for t in raw["tensors"]]
-        for entry in raw["files"]:
-            _check_file_name(entry.name)
-        return cls(**raw)
+        top = Fields(raw, "", ManifestError, _names(cls))
+        files = [_file_entry(f, i) for i, f in enumerate(top.items("files"))]
+        by_name = {f.name: f for f in files}
+        if len(by_name) != len(files):
+            raise ManifestError("files lists a file twice")
+        context = _Context(
+            layout=top.text("layout", (LAYOUT_VLLM_FUSED, LAYOUT_HF)),
+            tp=top.integer("tp", minimum=1),
+            per_rank_files=top.flag("per_rank_files", False),
+        )
+        return cls(
+            version=top.integer("version"),
+            step=top.integer("step"),
+            run_id=top.text("run_id"),
+            snapshot_id=top.text("snapshot_id"),
+            layout=context.layout,
+            tp=context.tp,
+            dtype=top.text("dtype", TORCH_NAMES.values()),
+            files=files,
+            tensors=[
+                _tensor_entry(t, i, context, by_name) for i, t in enumerate(top.items("tensors"))
+            ],
+            per_rank_files=context.per_rank_files,
+            hf_dir=top.optional_text("hf_dir"),
+            format=top.text("format"),
+        )
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
         return cls.from_json((directory / MANIFEST_NAME).read_bytes())
 
 
-def _file_entry(raw: dict[str, Any]) -> FileEntry:
-    blocks = raw.pop("blocks", None)
-    return FileEntry(**raw, blocks=None if blocks is None else BlockDigests(**blocks))
+@dataclass(frozen=True)
+class _Context:
+    """The manifest's fields that its tensor entries are checked against."""
+
+    layout: str
+    tp: int
+    per_rank_files: bool
+
+
+def _names(cls: type) -> list[str]:
+    return [f.name for f in fields(cls)]
+
+
+def _file_entry(raw: object, index: int) -> FileEntry:
+    entry = Fields(raw, f"files[{index}]", ManifestError, _names(FileEntry))
+    name = entry.text("name")
+    _check_file_name(name)
+    blocks = entry.value("blocks", None)
+    return FileEntry(
+        name,
+        entry.integer("bytes"),
+        entry.optional_text("sha256"),
+        None if blocks is None else _block_digests(blocks, entry.path("blocks")),
+    )
+
+
+def _block_digests(raw: object, where: str) -> BlockDigests:
+    blocks = Fields(raw, where, ManifestError, _names(BlockDigests))
+    return BlockDigests(
+        blocks.text("algorithm", DIGESTS),
+        blocks.integer("block_bytes", minimum=1),
+        blocks.texts("digests"),
+        blocks.optional_integers("lengths", minimum=1),
+    )
+
+
+def _tensor_entry(
+    raw: object, index: int, context: _Context, files: dict[str, FileEntry]
+) -> TensorEntry:
+    tensor = Fields(raw, f"tensors[{index}]", ManifestError, _names(TensorEntry))
+    name = tensor.text("name")
+    where = f"{tensor.where} ({name})"
+    try:
+        shard = Shard.from_json(tensor.value("shard"))
+    except LayoutError as exc:
+        raise ManifestError(f"{where}.shard {exc}") from None
+    entry = TensorEntry(
+        name,
+        tensor.text("file"),
+        tensor.integers("shape"),
+        tensor.text("dtype", TORCH_NAMES.values()),
+        shard,
+        tensor.optional_integer("rank"),
+    )
+    if len(entry.shape) > MAX_DIMS:
+        raise ManifestError(
+            f"{where}.shape has {len(entry.shape)} dimensions, more than {MAX_DIMS}"
+        )
+    if (shard.kind == ShardKind.HF) != (context.layout == LAYOUT_HF):
+        raise ManifestError(f"{where}.shard is {shard.kind}, in a {context.layout} version")
+    if context.per_rank_files != (entry.rank is not None) or (entry.rank or 0) >= context.tp:
+        raise ManifestError(
+            f"{where}.rank is {entry.rank!r}: a version "
+            f"{'with' if context.per_rank_files else 'without'} per-rank files for tp={context.tp}"
+        )
+    try:
+        shard.check(entry.shape, context.tp, whole=not context.per_rank_files)
+    except LayoutError as exc:
+        raise ManifestError(f"{where}.shard does not fit its shape {entry.shape}: {exc}") from None
+    file = files.get(entry.file)
+    if file is not None and entry.nbytes > file.bytes:
+        raise ManifestError(
+            f"{where}: {entry.nbytes} bytes of {entry.dtype} {entry.shape}, more than its file "
+            f"{entry.file} holds ({file.bytes})"
+        )
+    return entry
 
 
 def file_digests(

@@ -1,11 +1,14 @@
 """Parsing JSON that came from outside the process (a file another process wrote, a Redis
 value): whatever it holds ends in the caller's error naming it, never in an exception the
 caller did not expect (JSON nested deeper than Python's recursion limit raises
-``RecursionError``, not ``ValueError``)."""
+``RecursionError``, not ``ValueError``). :class:`Fields` then reads each field of an object
+with its type and bounds checked."""
 
 from __future__ import annotations
 
 import json
+import reprlib
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -18,3 +21,105 @@ def json_object(data: bytes | str, what: str, error: type[Exception]) -> dict[st
     if not isinstance(value, dict):
         raise error(f"{what} is not a JSON object")
     return value
+
+
+_MISSING: Any = object()
+
+
+class Fields:
+    """A JSON object from outside, read one typed field at a time: a missing field, a wrong
+    type or a value out of bounds is ``error`` naming the field by its path (``where``, e.g.
+    ``files[2].blocks``), so that nothing past the parse ever meets a float where it counts
+    bytes or a list where it hashes a name. Fields it does not know are refused."""
+
+    def __init__(
+        self, raw: object, where: str, error: type[Exception], known: Iterable[str]
+    ) -> None:
+        self.where, self.error = where, error
+        if not isinstance(raw, dict):
+            raise error(f"{where or 'it'} is {shown(raw)}, not an object")
+        if unknown := sorted(set(raw) - set(known)):
+            raise error(f"{where or 'it'} has unknown fields {shown(unknown)}")
+        self.raw: dict[str, Any] = raw
+
+    def path(self, name: str) -> str:
+        return f"{self.where}.{name}" if self.where else name
+
+    def value(self, name: str, default: Any = _MISSING) -> Any:
+        """The field as it is (an object for the caller to read with its own Fields)."""
+        if name in self.raw:
+            return self.raw[name]
+        if default is _MISSING:
+            raise self.error(f"lacks {self.path(name)!r}")
+        return default
+
+    def integer(self, name: str, minimum: int = 0, default: Any = _MISSING) -> int:
+        """An integer ``>= minimum`` (not a float, not a bool)."""
+        value = self.value(name, default)
+        if not _is_integer(value, minimum):
+            raise self.error(f"{self.path(name)} is {shown(value)}, not an integer >= {minimum}")
+        return value
+
+    def optional_integer(self, name: str, minimum: int = 0) -> int | None:
+        if self.value(name, None) is None:
+            return None
+        return self.integer(name, minimum)
+
+    def integers(self, name: str, minimum: int = 0) -> list[int]:
+        """A list of integers ``>= minimum``."""
+        value = self.value(name)
+        if not isinstance(value, list) or not all(_is_integer(v, minimum) for v in value):
+            raise self.error(
+                f"{self.path(name)} is {shown(value)}, not a list of integers >= {minimum}"
+            )
+        return value
+
+    def optional_integers(self, name: str, minimum: int = 0) -> list[int] | None:
+        if self.value(name, None) is None:
+            return None
+        return self.integers(name, minimum)
+
+    def text(self, name: str, choices: Iterable[str] | None = None) -> str:
+        """A string, one of ``choices`` when given."""
+        value = self.value(name)
+        if not isinstance(value, str):
+            raise self.error(f"{self.path(name)} is {shown(value)}, not a string")
+        if choices is not None and value not in choices:
+            raise self.error(
+                f"{self.path(name)} is {value!r}, not one of {', '.join(sorted(choices))}"
+            )
+        return value
+
+    def optional_text(self, name: str) -> str | None:
+        if self.value(name, None) is None:
+            return None
+        return self.text(name)
+
+    def texts(self, name: str) -> list[str]:
+        value = self.value(name)
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise self.error(f"{self.path(name)} is {shown(value)}, not a list of strings")
+        return value
+
+    def flag(self, name: str, default: bool) -> bool:
+        value = self.value(name, default)
+        if not isinstance(value, bool):
+            raise self.error(f"{self.path(name)} is {shown(value)}, not true or false")
+        return value
+
+    def items(self, name: str) -> list[Any]:
+        """A list, whose items the caller reads."""
+        value = self.value(name)
+        if not isinstance(value, list):
+            raise self.error(f"{self.path(name)} is {shown(value)}, not a list")
+        return value
+
+
+def _is_integer(value: object, minimum: int) -> bool:
+    return type(value) is int and value >= minimum
+
+
+def shown(value: object) -> str:
+    """``repr(value)``, cut short and shallow: a hostile field may be a list of a million
+    items, or nested deep."""
+    return reprlib.repr(value)

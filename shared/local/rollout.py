@@ -29,7 +29,7 @@ import torch
 from weightcast.client.node import Node
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.errors import LayoutError, WeightsError
-from weightcast.contract.layout import ModelShape, unfuse
+from weightcast.contract.fusion import ModelShape, unfuse
 from weightcast.runtime.config import Config, RolloutConfig
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage

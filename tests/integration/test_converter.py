@@ -14,15 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
 from weightcast.contract.layout import (
     FUSED_ARCHITECTURE,
     FUSED_WEIGHTS_FILE,
     LAYOUT_BOTH,
-    LayoutError,
-    ModelShape,
-    assemble,
     fused_rank_file,
-    plan_vllm_fused,
 )
 from weightcast.contract.manifest import Manifest, ManifestError, verify_files
 from weightcast.contract.snapshots import (

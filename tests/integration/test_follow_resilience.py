@@ -67,6 +67,12 @@ def edit_manifest(directory: Path, change: Callable[[dict], object]) -> None:
     (directory / MANIFEST_NAME).write_text(json.dumps(manifest))
 
 
+def weights_blocks(manifest: dict) -> dict:
+    """The block digests of ``model.vllm-fused``, listed first (``config.json`` is last)."""
+    assert manifest["files"][0]["name"] == "model.vllm-fused"
+    return manifest["files"][0]["blocks"]
+
+
 def link_weights_out(directory: Path) -> None:
     outside = directory.parent.parent / "outside"
     os.unlink(directory / "model.vllm-fused")
@@ -101,6 +107,38 @@ BROKEN = [
         r"names the file '\.\./\.\./outside/model\.vllm-fused': not a plain file name",
     ),
     ("weights file linked out", link_weights_out, r"model\.vllm-fused: a symbolic link"),
+    # What once crashed follow with a TypeError: each field's type is checked at the parse.
+    (
+        "digest algorithm as a list",
+        lambda d: edit_manifest(d, lambda m: weights_blocks(m).update(algorithm=["xxh3-128"])),
+        r"files\[0\]\.blocks\.algorithm is \['xxh3-128'\], not a string",
+    ),
+    (
+        "float block_bytes",
+        lambda d: edit_manifest(d, lambda m: weights_blocks(m).update(block_bytes=65536.5)),
+        r"files\[0\]\.blocks\.block_bytes is 65536\.5, not an integer",
+    ),
+    (
+        "float block lengths that sum to the size",
+        lambda d: edit_manifest(
+            d, lambda m: weights_blocks(m).update(lengths=[float(m["files"][0]["bytes"])])
+        ),
+        r"files\[0\]\.blocks\.lengths is \[\d+\.0\], not a list of integers",
+    ),
+    (
+        "float file bytes",
+        lambda d: edit_manifest(
+            d, lambda m: m["files"][0].update(bytes=m["files"][0]["bytes"] + 0.0)
+        ),
+        r"files\[0\]\.bytes is \d+\.0, not an integer",
+    ),
+    (
+        "tensor name as a list",
+        lambda d: edit_manifest(
+            d, lambda m: m["tensors"][0].update(name=[m["tensors"][0]["name"]])
+        ),
+        r"tensors\[0\]\.name is \['.*'\], not a string",
+    ),
 ]
 
 

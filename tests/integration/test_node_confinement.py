@@ -361,7 +361,7 @@ MALFORMED_MANIFESTS = {
     ),
     "a tensor's shape is not a list of sizes": (
         lambda v: edit_manifest(v, lambda m: m["tensors"][0].update(shape="big")),
-        "malformed shape or shard",
+        r"tensors\[0\]\.shape is 'big', not a list of integers >= 0",
     ),
     "too big to read": (
         lambda v: os.truncate(v / MANIFEST_NAME, 65 * 1024 * 1024),
@@ -387,6 +387,12 @@ def test_a_malformed_manifest_is_a_weights_error(deployment: Deployment, case: s
         ("path", None, "registry entry of version 1 has no 'path'"),
         ("tp", "two", "registry entry of version 1: tp is 'two', not a int"),
         ("manifest_sha256", "abc", "needs a path and a 64-digit manifest_sha256"),
+        ("manifest_sha256", "z" * 64, "needs a path and a 64-digit manifest_sha256"),
+        ("tp", "0", "registry entry of version 1: tp is 0, not >= 1"),
+        ("step", "-1", "registry entry of version 1: step is '-1', not a int"),
+        ("bytes", "1_000", "registry entry of version 1: bytes is '1_000', not a int"),
+        ("bytes", " 7", "registry entry of version 1: bytes is ' 7', not a int"),
+        ("created_at", "nan", "registry entry of version 1: created_at is 'nan', not a float"),
     ],
 )
 def test_a_malformed_registry_entry_is_a_weights_error(

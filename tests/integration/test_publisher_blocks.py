@@ -16,8 +16,9 @@ import torch
 
 from weightcast.client.confine import OpenFile
 from weightcast.contract.errors import WeightsError
+from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import FUSED_WEIGHTS_FILE, ModelShape
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import BLOCK_BYTES, Manifest, digest_bytes
 from weightcast.local.redis_server import RedisServer
 from weightcast.publisher.safetensors_writer import BUFFER_BYTES

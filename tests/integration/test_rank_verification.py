@@ -162,7 +162,7 @@ WORKER = textwrap.dedent(
     """
     import json, sys
     from weightcast.client.reader import VersionReader
-    from weightcast.client.versions import VersionInfo
+    from weightcast.contract.version_info import VersionInfo
 
     root, record, version, fields, rank, tp = sys.argv[1:]
     info = VersionInfo.from_fields(int(version), json.loads(fields))

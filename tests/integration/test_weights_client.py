@@ -17,8 +17,9 @@ import redis
 import torch
 
 from weightcast.client.weights import AsyncWeightsClient, VersionGone, WeightsError
+from weightcast.contract.errors import LayoutError
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import FUSED_WEIGHTS_FILE, LayoutError, fused_rank_file
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import (
     verify_files,
 )

@@ -16,8 +16,8 @@ from pathlib import Path
 import redis
 import torch
 
+from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import ModelShape
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.local.redis_server import RedisServer

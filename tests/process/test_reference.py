@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightcast.contract.layout import FUSED_WEIGHTS_FILE, ModelShape, unfuse
+from weightcast.contract.fusion import ModelShape, unfuse
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import Manifest
 from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.publisher.dcp_load import load_tensors

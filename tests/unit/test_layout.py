@@ -10,19 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightcast.contract.layout import (
-    FUSED_WEIGHTS_FILE,
-    LayoutError,
-    ModelShape,
-    RankSlice,
-    assemble,
-    check_tp,
-    fused_config,
-    plan_vllm_fused,
-    rank_slice,
-    unfuse,
-)
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.fusion import ModelShape, assemble, check_tp, plan_vllm_fused, unfuse
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_config
 from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 from weightcast.contract.snapshots import SnapshotInfo
 from weightcast.publisher.converter import ConvertOptions, convert
 from weightcast.publisher.snapshots import Snapshot
@@ -103,7 +95,7 @@ def test_rank_slice_of_every_tensor_is_what_vllm_loads_on_that_rank(model: str, 
         for p in plan:
             tensor = fused[p.name]
             mine = rank_part(tensor, p.shard, rank, tp)
-            kind = p.shard["kind"]
+            kind = p.shard.kind
             if kind in ("qkv", "gate_up"):
                 expected = tensor.chunk(tp)[rank]  # checked against vLLM's loaders above
             elif kind == "vocab_parallel":
@@ -118,7 +110,9 @@ def test_rank_slice_of_every_tensor_is_what_vllm_loads_on_that_rank(model: str, 
 
 
 def test_rank_slice_refuses_a_tp_the_tensor_was_not_fused_for() -> None:
-    shard = {"kind": "qkv", "dim": 0, "tp": 2, "rank_rows": 8, "q_rows": 4, "kv_rows": 2}
+    shard = Shard.from_json(
+        {"kind": "qkv", "dim": 0, "tp": 2, "rank_rows": 8, "q_rows": 4, "kv_rows": 2}
+    )
     with pytest.raises(LayoutError, match="fused for tp=2 cannot serve tp=4"):
         rank_slice(shard, [16, 8], 0, 4)
     with pytest.raises(LayoutError, match="outside tp=2"):
@@ -127,7 +121,7 @@ def test_rank_slice_refuses_a_tp_the_tensor_was_not_fused_for() -> None:
 
 def test_vocab_slices_skip_padding_rows() -> None:
     # 1000 tokens pad to 1024; at tp=8 each rank holds 128 rows, the last only 1000 - 896.
-    spec = {"kind": "vocab_parallel", "dim": 0}
+    spec = Shard(ShardKind.VOCAB_PARALLEL)
     assert rank_slice(spec, [1000, 4], 7, 8) == RankSlice(0, 896, 1000)
     assert rank_slice(spec, [1000, 4], 0, 8) == RankSlice(0, 0, 128)
 
@@ -201,7 +195,7 @@ def test_missing_or_misshapen_tensors_are_reported_by_name() -> None:
 def test_manifest_shard_specs_say_how_vllm_splits_each_tensor() -> None:
     shape = shape_of(16, 8, 4, tied=False)
     plan = {
-        p.name: p.shard
+        p.name: p.shard.as_json()
         for p in plan_vllm_fused({k: t.shape[0] for k, t in hf_state(shape).items()}, shape, 16)
     }
     assert plan["model.layers.0.self_attn.qkv_proj.weight"] == {

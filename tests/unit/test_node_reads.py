@@ -14,8 +14,12 @@ import torch
 
 from weightcast.client.block_reads import Rect, copy_rect
 from weightcast.client.confine import registered_parts
-from weightcast.client.versions import VersionInfo
+from weightcast.client.reader import Want, _part
 from weightcast.contract.errors import RedisFull, WeightsError
+from weightcast.contract.manifest import TensorEntry
+from weightcast.contract.sharding import RankSlice, Shard, ShardKind
+from weightcast.contract.tensorfile import TensorSpan
+from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.retry import Outage, redis_full
 
 ROOT = Path("/data/weights")
@@ -107,3 +111,13 @@ def test_a_full_redis_is_waited_out_like_an_outage_then_named() -> None:
     spent = Outage(budget=0)
     with pytest.raises(RedisFull, match="Redis is full and refuses writes while pushing"):
         spent.attempt(raising(full), "pushing", pauses.append)
+
+
+def test_a_rank_part_past_its_tensor_is_refused_before_any_read() -> None:
+    """The last guard: whatever computed the part, a rect reaching past the tensor (into
+    bytes its verified blocks may not cover) is never planned."""
+    entry = TensorEntry("model.norm.weight", "f", [128], "bfloat16", Shard(ShardKind.REPLICATED))
+    spans = {entry.name: TensorSpan(entry.name, "BF16", (128,), 64, 64 + 256)}
+    with pytest.raises(WeightsError, match=r"f: tensor model\.norm\.weight \[128\] has no part"):
+        _part(Want(entry, RankSlice(0, 0, 4096)), spans, "f")
+    assert _part(Want(entry, RankSlice(0, 64, 128)), spans, "f").rect == Rect(192, 1, 0, 128)

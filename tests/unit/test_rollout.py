@@ -7,7 +7,7 @@ import math
 import torch
 
 from weightcast.contract.codec import BatchLimits, validate_tensors
-from weightcast.contract.layout import assemble, plan_vllm_fused
+from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.local.rollout import (
     ModelPolicy,
     UniformPolicy,

@@ -15,7 +15,8 @@ import torch
 
 from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.staging import RankPart
-from weightcast.contract.layout import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.sharding import Shard, ShardKind
 
 from helpers import hf_state, rank_part, shape_of
 from vllm_reference import (
@@ -80,7 +81,7 @@ def test_loaders_fed_the_placed_part_hold_what_they_hold_from_hf_tensors(
 def test_whole_hf_tensors_pass_through() -> None:
     shape = shape_of(4, 2, 8, hidden=16, inter=32)
     state = hf_state(shape, torch.bfloat16)
-    parts = [RankPart(name, tensor, {"kind": "hf"}) for name, tensor in state.items()]
+    parts = [RankPart(name, tensor, Shard(ShardKind.HF)) for name, tensor in state.items()]
     placed = dict(hf_tensors(parts, shape, 1, 2))
     assert placed.keys() == state.keys()
     assert all(placed[name] is tensor for name, tensor in state.items())

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import torch
 
 from weightcast.client.vllm.driver import EngineError, LocalEngine, swap
 from weightcast.client.vllm.protocol import REFUSED
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
+from weightcast.contract.manifest import MANIFEST_NAME, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
 from vllm_helpers import ODD_VOCAB, TINY, Registry, greedy, random_state
@@ -33,6 +35,27 @@ def tp_env(tp: int) -> dict[str, str]:
     """Environment for a CPU engine at ``tp``: one core per rank (vLLM's automatic binding
     wants a NUMA node per rank, which a small machine does not have)."""
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}
+
+
+def shard_norm_as_qkv(registry: Registry, version: int) -> None:
+    """The issue-19 version: ``model.norm.weight`` described as a qkv tensor of 4096 rows a
+    rank, the manifest's SHA-256 registered anew (whoever can write Redis can do this)."""
+    directory = registry.versions[version]
+    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    norm = next(t for t in manifest["tensors"] if t["name"] == "model.norm.weight")
+    norm["shard"] = {
+        "kind": "qkv",
+        "dim": 0,
+        "tp": 1,
+        "rank_rows": 4096,
+        "q_rows": 4094,
+        "kv_rows": 1,
+    }
+    text = json.dumps(manifest).encode()
+    (directory / MANIFEST_NAME).write_bytes(text)
+    client = redis.Redis.from_url(registry.redis_url)
+    client.hset(registry.keys.version(version), "manifest_sha256", sha256_bytes(text))
+    client.close()
 
 
 def flip_byte(path: Path) -> None:
@@ -90,6 +113,8 @@ def tiny(registry: Registry) -> Versions:
     number["other-model"] = registry.publish(ODD_VOCAB, random_state(ODD_VOCAB, 9))
     number["B-corrupt"] = registry.publish(TINY, states["B"])
     flip_byte(registry.versions[number["B-corrupt"]] / FUSED_WEIGHTS_FILE)
+    number["B-norm-as-qkv"] = registry.publish(TINY, states["B"])
+    shard_norm_as_qkv(registry, number["B-norm-as-qkv"])
     return Versions(registry, number, states)
 
 

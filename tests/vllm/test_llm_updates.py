@@ -66,6 +66,11 @@ def test_updates_equal_fresh_engines_exactly(
         ("B-tp2", r"WeightsError: version \d+ is fused for tp=2; this engine runs tp=1"),
         ("other-model", r"WeightsError: version \d+ is a different model"),
         ("B-corrupt", r"WeightsError: .*model\.vllm-fused: .*(sha256|digest|do not match)"),
+        (
+            "B-norm-as-qkv",
+            r"WeightsError: .*manifest\.json: not a valid manifest \(tensors\[\d+\] "
+            r"\(model\.norm\.weight\)\.shard does not fit its shape",
+        ),
     ],
 )
 def test_a_refused_version_leaves_the_engine_serving_what_it_served(

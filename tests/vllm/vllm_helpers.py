@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightcast.client.vllm.driver import LocalEngine
+from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import ModelShape
 from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.settings import load_config
 

@@ -51,7 +51,9 @@ from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.protocol import REFUSED, InitInfo, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.layout import LAYOUT_HF, ModelShape, check_shapes
+from weightcast.contract.fusion import ModelShape, check_shapes
+from weightcast.contract.layout import LAYOUT_HF
+from weightcast.contract.sharding import ShardKind
 from weightcast.runtime.settings import load_config
 
 log = init_logger("vllm.weightcast")  # under vLLM's logger, so it shows in vLLM's log
@@ -286,7 +288,7 @@ def _fits(part: Any, meta: torch.Tensor) -> bool:
     """A rank part fits its parameter: the same shape, or for the vocabulary the rank's
     rows without the padding vLLM adds after them."""
     got, want = tuple(part.tensor.shape), tuple(meta.shape)
-    if part.shard.get("kind") == "vocab_parallel":
+    if part.shard.kind == ShardKind.VOCAB_PARALLEL:
         return got[1:] == want[1:] and got[0] <= want[0]
     return got == want
 

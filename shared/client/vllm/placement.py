@@ -12,7 +12,7 @@ for large allocations, never committed to memory). Offsets are the loaders' own:
 ``QKVParallelLinear`` (q at ``rank * q_rows``, k/v at the first kv head of the rank times
 head_dim, replicated when tp exceeds the kv heads), ``MergedColumnParallelLinear`` (gate and up
 at ``rank * rows``), ``VocabParallelEmbedding`` and ``RowParallelLinear``
-(``layout.rank_slice``). ``tests/vllm_reference.py`` re-implements those loaders to check it.
+(``sharding.rank_slice``). ``tests/vllm_reference.py`` re-implements those loaders to check it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 
 from weightcast.client.vllm.staging import RankPart
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.layout import ModelShape, expected_shape, kv_head_of_rank, rank_slice
+from weightcast.contract.fusion import ModelShape, expected_shape, kv_head_of_rank
+from weightcast.contract.sharding import ShardKind, rank_slice
 
 _PACKED = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 _PACKED_INTO = {
@@ -46,12 +47,12 @@ def hf_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` pairs that make vLLM's loaders on ``rank`` hold ``parts``."""
     for part in parts:
-        kind = part.shard.get("kind")
-        if kind == "hf":
+        kind = part.shard.kind
+        if kind == ShardKind.HF:
             yield part.name, part.tensor
-        elif kind == "qkv":
+        elif kind == ShardKind.QKV:
             yield from _split_qkv(part, shape, rank, tp)
-        elif kind == "gate_up":
+        elif kind == ShardKind.GATE_UP:
             yield from _split_gate_up(part, shape, rank)
         else:
             whole = expected_shape(part.name, shape)
@@ -68,7 +69,7 @@ def _split_qkv(
     part: RankPart, shape: ModelShape, rank: int, tp: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     prefix, suffix = part.name.rsplit(".qkv_proj.", 1)
-    q_rows, kv_rows = part.shard["q_rows"], part.shard["kv_rows"]
+    q_rows, kv_rows = part.shard.q_rows or 0, part.shard.kv_rows or 0
     q, k, v = part.tensor.split([q_rows, kv_rows, kv_rows])
     rest = tuple(part.tensor.shape[1:])
     kv_start = kv_head_of_rank(shape, tp, rank)[0] * shape.head_dim
@@ -81,7 +82,7 @@ def _split_gate_up(
     part: RankPart, shape: ModelShape, rank: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     prefix, suffix = part.name.rsplit(".gate_up_proj.", 1)
-    rows = part.shard["gate_rows"]
+    rows = part.shard.gate_rows or 0
     gate, up = part.tensor.split([rows, rows])
     whole = (shape.intermediate_size, *part.tensor.shape[1:])
     yield f"{prefix}.gate_proj.{suffix}", _placed(gate, whole, 0, rank * rows)

@@ -9,29 +9,29 @@ checks the result against the engine before it touches a parameter.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from weightcast.client.vllm.protocol import Source
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.errors import WeightsError
-from weightcast.contract.layout import LAYOUT_HF, LayoutError, ModelShape
+from weightcast.contract.errors import LayoutError, WeightsError
+from weightcast.contract.fusion import ModelShape
+from weightcast.contract.layout import LAYOUT_HF
+from weightcast.contract.sharding import Shard, ShardKind
 
 
 @dataclass(frozen=True)
 class RankPart:
     """One published tensor as this rank holds it (the whole tensor for the ``hf`` layout).
 
-    ``shard`` is the manifest's shard spec (``layout.rank_slice``): ``qkv``, ``gate_up``,
-    ``vocab_parallel``, ``row_parallel``, ``replicated``, or ``hf`` for a whole HF tensor.
+    ``shard`` is the manifest's shard spec (``sharding.rank_slice``), of kind ``hf`` for a
+    whole HF tensor.
     """
 
     name: str
     tensor: torch.Tensor
-    shard: Mapping[str, Any]
+    shard: Shard
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,10 @@ def stage(
     )
     try:
         with client.lease(version) as info:
-            shape = ModelShape.from_hf_config(client.config(info))
+            try:
+                shape = ModelShape.from_hf_config(client.config(info))
+            except LayoutError as exc:
+                raise WeightsError(f"version {version}: {exc}") from None
             if shape != engine_shape:
                 raise WeightsError(
                     f"version {version} is a different model ({shape}) from the engine's "
@@ -75,7 +78,7 @@ def stage(
             manifest = client.manifest(info)
             if manifest.layout == LAYOUT_HF:
                 # Whole HF tensors: vLLM's loaders take the rank's share themselves.
-                parts = [RankPart(n, t, {"kind": "hf"}) for n, t in client.load(info).items()]
+                parts = [RankPart(n, t, Shard(ShardKind.HF)) for n, t in client.load(info).items()]
             else:
                 if manifest.tp != tp:
                     raise WeightsError(

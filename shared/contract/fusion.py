@@ -1,0 +1,365 @@
+"""The vllm-fused layout as pure functions.
+
+vLLM shards a Qwen3 attention block with ``QKVParallelLinear`` and the MLP with
+``MergedColumnParallelLinear``. For tensor-parallel degree ``tp`` the fused tensor is the
+concatenation, over ranks ``r = 0..tp-1``, of the block rank ``r`` holds:
+
+* ``qkv_proj``: ``[q heads of r ; k head(s) of r ; v head(s) of r]``. With ``tp <= kv heads``
+  each rank owns ``kv_heads / tp`` kv heads; with ``tp > kv heads`` vLLM replicates them and
+  rank ``r`` holds kv head ``r // (tp / kv_heads)``, so the tensor has
+  ``q_rows + 2 * tp * head_dim`` rows.
+* ``gate_up_proj``: ``[gate rows of r ; up rows of r]``.
+
+Every fused tensor is a list of row ranges of the HF source tensors (:class:`RowRange`), so a
+conversion is a re-ordering of row-major byte ranges; :func:`assemble` materialises it.
+Everything else keeps its HF name and value, and a tied ``lm_head`` is not written twice.
+:func:`unfuse` inverts the layout, for readers that want HF tensors back.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.sharding import Shard, ShardKind
+
+if TYPE_CHECKING:  # torch only for assemble/unfuse; the publish path runs without it
+    import torch
+
+_QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.q_proj\.(weight|bias)$")
+_GATE = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_proj\.(weight|bias)$")
+_FUSED_QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.qkv_proj\.(weight|bias)$")
+_FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_up_proj\.(weight|bias)$")
+_FUSED_PART = re.compile(r"\.(k_proj|v_proj|up_proj)\.(weight|bias)$")
+_ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a dense Qwen3 that the layout depends on, read from its HF config."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        """Read a ``config.json`` dict; head_dim comes from the config, never hidden/heads.
+
+        The dict may come from a version on disk: every number must be a positive integer
+        and every flag a boolean, or a :class:`LayoutError` names the field.
+        """
+        heads = _config_number(config, "num_attention_heads")
+        hidden = _config_number(config, "hidden_size")
+        return cls(
+            num_layers=_config_number(config, "num_hidden_layers"),
+            hidden_size=hidden,
+            intermediate_size=_config_number(config, "intermediate_size"),
+            num_heads=heads,
+            num_kv_heads=_config_number(config, "num_key_value_heads", heads),
+            head_dim=_config_number(config, "head_dim", hidden // heads),
+            vocab_size=_config_number(config, "vocab_size"),
+            tie_word_embeddings=_config_flag(config, "tie_word_embeddings"),
+            attention_bias=_config_flag(config, "attention_bias"),
+        )
+
+    @property
+    def q_rows(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_rows(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _config_number(config: Mapping[str, Any], name: str, default: int | None = None) -> int:
+    """A positive integer of ``config.json``; ``default`` stands in for a null or 0."""
+    value = config.get(name)
+    if default is not None and (value is None or (type(value) is int and value == 0)):
+        return default
+    if value is None:
+        raise LayoutError(f"config.json lacks {name!r}")
+    if type(value) is not int or value < 1:
+        raise LayoutError(f"config.json: {name} is {value!r}, not a positive integer")
+    return value
+
+
+def _config_flag(config: Mapping[str, Any], name: str) -> bool:
+    value = config.get(name)
+    if value is None:
+        return False
+    if type(value) is not bool:
+        raise LayoutError(f"config.json: {name} is {value!r}, not true or false")
+    return value
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows ``[start, stop)`` along dim 0 of the source tensor ``source``."""
+
+    source: str
+    start: int
+    stop: int
+
+    @property
+    def rows(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class FusedTensor:
+    """One output tensor: the concatenation of ``pieces`` along dim 0.
+
+    ``shard`` says how vLLM splits it over tensor-parallel ranks (it goes into the manifest).
+    """
+
+    name: str
+    pieces: tuple[RowRange, ...]
+    shard: Shard
+
+    @property
+    def rows(self) -> int:
+        return sum(p.rows for p in self.pieces)
+
+
+def check_tp(shape: ModelShape, tp: int) -> None:
+    """Raise :class:`LayoutError` for a tp that vLLM itself would refuse for this model."""
+    if tp < 1:
+        raise LayoutError(f"tp must be >= 1, got {tp}")
+    if shape.num_heads % tp:
+        raise LayoutError(
+            f"tp={tp} does not divide the {shape.num_heads} attention heads; vLLM refuses it"
+        )
+    kv = shape.num_kv_heads
+    if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+        raise LayoutError(
+            f"tp={tp} and {kv} kv heads: one must divide the other or vLLM refuses it"
+        )
+    if shape.intermediate_size % tp:
+        raise LayoutError(
+            f"tp={tp} does not divide intermediate_size {shape.intermediate_size}; vLLM refuses it"
+        )
+
+
+def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
+    """The shape a Qwen3 tensor named ``name`` must have, or None for names not known here.
+
+    Raises :class:`LayoutError` for a layer the config does not have.
+    """
+    h, d, q, kv, inter = (
+        shape.hidden_size,
+        shape.head_dim,
+        shape.q_rows,
+        shape.kv_rows,
+        shape.intermediate_size,
+    )
+    if name in _VOCAB:
+        return (shape.vocab_size, h)
+    if name == "model.norm.weight":
+        return (h,)
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    if m is None:
+        return None
+    if int(m.group(1)) >= shape.num_layers:
+        raise LayoutError(f"{name}: the config has only {shape.num_layers} layers")
+    known = {
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.q_norm.weight": (d,),
+        "self_attn.k_norm.weight": (d,),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+    }
+    return known.get(m.group(2))
+
+
+def check_shapes(shapes: Mapping[str, Sequence[int]], shape: ModelShape) -> None:
+    """Raise :class:`LayoutError` naming the first tensor whose shape the config contradicts."""
+    for name, size in shapes.items():
+        expected = expected_shape(name, shape)
+        if expected is not None and tuple(size) != expected:
+            raise LayoutError(f"{name} has shape {list(size)}; the config implies {list(expected)}")
+    if "model.embed_tokens.weight" not in shapes:
+        raise LayoutError("model.embed_tokens.weight is missing from the snapshot")
+    if not shape.tie_word_embeddings and "lm_head.weight" not in shapes:
+        raise LayoutError("lm_head.weight is missing and the config does not tie it")
+
+
+def kv_head_of_rank(shape: ModelShape, tp: int, rank: int) -> tuple[int, int]:
+    """The kv heads ``[first, first + count)`` that tensor-parallel rank ``rank`` holds."""
+    if tp >= shape.num_kv_heads:
+        replicas = tp // shape.num_kv_heads
+        return rank // replicas, 1
+    per_rank = shape.num_kv_heads // tp
+    return rank * per_rank, per_rank
+
+
+def qkv_pieces(shape: ModelShape, tp: int, q: str, k: str, v: str) -> tuple[RowRange, ...]:
+    """Row ranges of q, k, v that make the fused ``qkv_proj`` for ``tp`` ranks."""
+    check_tp(shape, tp)
+    q_per_rank = shape.q_rows // tp
+    pieces: list[RowRange] = []
+    for rank in range(tp):
+        first, count = kv_head_of_rank(shape, tp, rank)
+        kv_start, kv_stop = first * shape.head_dim, (first + count) * shape.head_dim
+        pieces += [
+            RowRange(q, rank * q_per_rank, (rank + 1) * q_per_rank),
+            RowRange(k, kv_start, kv_stop),
+            RowRange(v, kv_start, kv_stop),
+        ]
+    return tuple(pieces)
+
+
+def gate_up_pieces(shape: ModelShape, tp: int, gate: str, up: str) -> tuple[RowRange, ...]:
+    """Row ranges of gate and up that make the fused ``gate_up_proj`` for ``tp`` ranks."""
+    check_tp(shape, tp)
+    per_rank = shape.intermediate_size // tp
+    pieces: list[RowRange] = []
+    for rank in range(tp):
+        rows = (rank * per_rank, (rank + 1) * per_rank)
+        pieces += [RowRange(gate, *rows), RowRange(up, *rows)]
+    return tuple(pieces)
+
+
+def plan_vllm_fused(
+    source_rows: Mapping[str, int], shape: ModelShape, tp: int
+) -> list[FusedTensor]:
+    """Plan the vllm-fused layout of an HF-named state dict.
+
+    ``source_rows`` maps each source tensor name to its size along dim 0. Returns the output
+    tensors in the order they should be written. Raises :class:`LayoutError` when a tensor the
+    fusion needs is missing or has the wrong number of rows.
+    """
+    check_tp(shape, tp)
+    planned: list[FusedTensor] = []
+    consumed: set[str] = set()
+    for name in source_rows:
+        if m := _QKV.match(name):
+            prefix, kind = m.groups()
+            q, k, v = (f"{prefix}.{p}_proj.{kind}" for p in "qkv")
+            _expect_rows(source_rows, {q: shape.q_rows, k: shape.kv_rows, v: shape.kv_rows})
+            q_per_rank = shape.q_rows // tp
+            kv_per_rank = kv_head_of_rank(shape, tp, 0)[1] * shape.head_dim
+            planned.append(
+                FusedTensor(
+                    f"{prefix}.qkv_proj.{kind}",
+                    qkv_pieces(shape, tp, q, k, v),
+                    Shard.qkv(tp, q_per_rank, kv_per_rank),
+                )
+            )
+            consumed.update((q, k, v))
+        elif m := _GATE.match(name):
+            prefix, kind = m.groups()
+            gate, up = f"{prefix}.gate_proj.{kind}", f"{prefix}.up_proj.{kind}"
+            _expect_rows(source_rows, {gate: shape.intermediate_size, up: shape.intermediate_size})
+            per_rank = shape.intermediate_size // tp
+            planned.append(
+                FusedTensor(
+                    f"{prefix}.gate_up_proj.{kind}",
+                    gate_up_pieces(shape, tp, gate, up),
+                    Shard.gate_up(tp, per_rank),
+                )
+            )
+            consumed.update((gate, up))
+    for name, rows in source_rows.items():
+        if name in consumed or (name == "lm_head.weight" and shape.tie_word_embeddings):
+            continue
+        if _FUSED_PART.search(name):
+            raise LayoutError(f"{name} has no partner to fuse with (q_proj / gate_proj missing)")
+        planned.append(FusedTensor(name, (RowRange(name, 0, rows),), _unfused_shard(name)))
+    return sorted(planned, key=lambda t: _natural_key(t.name))
+
+
+def assemble(tensor: FusedTensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Materialise ``tensor`` from the source tensors it is made of.
+
+    A tensor made of one whole source is that source itself (no copy); treat it as read-only.
+    """
+    import torch
+
+    parts = [sources[p.source][p.start : p.stop] for p in tensor.pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def unfuse(
+    tensors: Mapping[str, torch.Tensor], shape: ModelShape, tp: int
+) -> dict[str, torch.Tensor]:
+    """Invert the layout: the HF-named tensors behind published vllm-fused ones.
+
+    Replicated kv heads appear once per replica; the copies must agree. A tied ``lm_head``
+    stays absent, as in HF checkpoints.
+    """
+    import torch
+
+    source_rows: dict[str, int] = {}
+    for name, tensor in tensors.items():
+        if m := _FUSED_QKV.match(name):
+            prefix, kind = m.groups()
+            source_rows |= {
+                f"{prefix}.q_proj.{kind}": shape.q_rows,
+                f"{prefix}.k_proj.{kind}": shape.kv_rows,
+                f"{prefix}.v_proj.{kind}": shape.kv_rows,
+            }
+        elif m := _FUSED_GATE_UP.match(name):
+            prefix, kind = m.groups()
+            source_rows |= {
+                f"{prefix}.gate_proj.{kind}": shape.intermediate_size,
+                f"{prefix}.up_proj.{kind}": shape.intermediate_size,
+            }
+        else:
+            source_rows[name] = tensor.shape[0]
+    sources: dict[str, dict[int, torch.Tensor]] = {}
+    for plan in plan_vllm_fused(source_rows, shape, tp):
+        data = tensors[plan.name]
+        if data.shape[0] != plan.rows:
+            raise LayoutError(f"{plan.name} has {data.shape[0]} rows; tp={tp} implies {plan.rows}")
+        offset = 0
+        for piece in plan.pieces:
+            block = data[offset : offset + piece.rows]
+            offset += piece.rows
+            seen = sources.setdefault(piece.source, {})
+            if piece.start in seen and not torch.equal(seen[piece.start], block):
+                raise LayoutError(f"replicas of {piece.source} rows {piece.start}.. disagree")
+            seen[piece.start] = block
+    return {
+        name: torch.cat([block for _, block in sorted(blocks.items())])
+        for name, blocks in sources.items()
+    }
+
+
+def _unfused_shard(name: str) -> Shard:
+    if name in _VOCAB:
+        return Shard(ShardKind.VOCAB_PARALLEL)
+    if _ROW_PARALLEL.search(name):
+        return Shard(ShardKind.ROW_PARALLEL)
+    return Shard(ShardKind.REPLICATED)
+
+
+def _expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) -> None:
+    for name, rows in expected.items():
+        if name not in source_rows:
+            raise LayoutError(f"{name} is missing from the snapshot")
+        if source_rows[name] != rows:
+            raise LayoutError(f"{name} has {source_rows[name]} rows; the config implies {rows}")
+
+
+def _natural_key(name: str) -> list[Any]:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -1,0 +1,200 @@
+"""The publish plan of a version, pure: which files, which tensors in each (name, dtype,
+shape, shard) and which regions of which source tensors make each of them. The publisher only
+resolves regions to bytes and writes them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from weightcast.contract.errors import LayoutError
+from weightcast.contract.fusion import FusedTensor, ModelShape, RowRange, plan_vllm_fused
+from weightcast.contract.layout import (
+    FUSED_WEIGHTS_FILE,
+    HF_DIR,
+    LAYOUT_BOTH,
+    LAYOUT_HF,
+    LAYOUT_VLLM_FUSED,
+    LAYOUTS,
+    fused_rank_file,
+    hf_file_name,
+)
+from weightcast.contract.sharding import Shard, ShardKind, rank_slice
+from weightcast.contract.tensorfile import nbytes
+
+HF_SHARD_BYTES = 5 * 10**9
+"""transformers' default ``max_shard_size`` ("5GB")."""
+
+
+@dataclass(frozen=True)
+class ColumnRange:
+    """Columns ``[start, stop)`` of every row of the 2-D source tensor ``source``."""
+
+    source: str
+    start: int
+    stop: int
+
+
+Region = RowRange | ColumnRange
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """A tensor of a published file: the concatenation of ``regions`` (row-major bytes).
+
+    ``shard`` and ``rank`` are what the manifest records (see
+    :func:`~weightcast.contract.sharding.rank_slice`).
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    regions: tuple[Region, ...]
+    shard: Shard
+    rank: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, self.shape)
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    """A safetensors file of the version; ``name`` is relative to the version directory."""
+
+    name: str
+    tensors: tuple[PlannedTensor, ...]
+
+
+@dataclass(frozen=True)
+class VersionPlan:
+    """Every safetensors file of a version. ``listed`` are the files whose tensors the
+    manifest lists (the fused ones, or the HF ones for ``layout == "hf"``); ``hf_index`` is
+    the HF index's ``weight_map`` (tensor -> file name inside the HF directory), if any."""
+
+    layout: str
+    tp: int
+    per_rank_files: bool
+    fused: tuple[PlannedFile, ...]
+    hf: tuple[PlannedFile, ...]
+    hf_dir: str | None
+
+    @property
+    def files(self) -> tuple[PlannedFile, ...]:
+        return self.fused + self.hf
+
+    @property
+    def listed(self) -> tuple[PlannedFile, ...]:
+        return self.fused if self.fused else self.hf
+
+    @property
+    def hf_index(self) -> dict[str, str]:
+        prefix = f"{self.hf_dir}/" if self.hf_dir else ""
+        return {
+            t.name: f.name.removeprefix(prefix)
+            for f in sorted(self.hf, key=lambda f: f.name)
+            for t in f.tensors
+        }
+
+
+def plan_version(
+    sources: Mapping[str, tuple[str, Sequence[int]]],
+    shape: ModelShape,
+    tp: int,
+    layout: str = LAYOUT_VLLM_FUSED,
+    per_rank_files: bool = False,
+) -> VersionPlan:
+    """Plan the files of a version from the snapshot's tensors (name -> (dtype, shape)).
+
+    ``vllm-fused``: ``model.vllm-fused`` with the fused tensors, or with ``per_rank_files``
+    (tp > 1) one ``model-rank-RR-of-TT.vllm-fused`` per rank holding exactly what
+    :func:`rank_slice` gives that rank. ``hf``: the source tensors as they are (a tied
+    ``lm_head`` left out) in shards of at most :data:`HF_SHARD_BYTES`. ``both``: the fused
+    files, and the HF shards under ``hf/``. Raises :class:`LayoutError`.
+    """
+    if layout not in LAYOUTS:
+        raise LayoutError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
+    per_rank = per_rank_files and tp > 1
+    fused: tuple[PlannedFile, ...] = ()
+    if layout != LAYOUT_HF:
+        plan = plan_vllm_fused({n: s[0] for n, (_, s) in sources.items()}, shape, tp)
+        whole = [_fused_whole(p, sources) for p in plan]
+        if per_rank:
+            fused = tuple(
+                PlannedFile(
+                    fused_rank_file(rank, tp), tuple(_rank_part(t, rank, tp) for t in whole)
+                )
+                for rank in range(tp)
+            )
+        else:
+            fused = (PlannedFile(FUSED_WEIGHTS_FILE, tuple(whole)),)
+    hf: tuple[PlannedFile, ...] = ()
+    hf_dir = HF_DIR if layout == LAYOUT_BOTH else None
+    if layout != LAYOUT_VLLM_FUSED:
+        hf = _hf_files(sources, shape, f"{hf_dir}/" if hf_dir else "")
+    return VersionPlan(layout, tp, per_rank, fused, hf, hf_dir)
+
+
+def _fused_whole(p: FusedTensor, sources: Mapping[str, tuple[str, Sequence[int]]]) -> PlannedTensor:
+    dtypes = {sources[piece.source][0] for piece in p.pieces}
+    if len(dtypes) != 1:
+        raise LayoutError(f"{p.name}: its parts have different dtypes {sorted(dtypes)}")
+    first = tuple(sources[p.pieces[0].source][1])
+    return PlannedTensor(p.name, dtypes.pop(), (p.rows, *first[1:]), p.pieces, p.shard)
+
+
+def _rank_part(whole: PlannedTensor, rank: int, tp: int) -> PlannedTensor:
+    """What vLLM's rank ``rank`` holds of ``whole`` (a fused or unfused tensor)."""
+    part = rank_slice(whole.shard, whole.shape, rank, tp)
+    if part is None:
+        return PlannedTensor(whole.name, whole.dtype, whole.shape, whole.regions, whole.shard, rank)
+    if part.dim == 0:
+        regions = _rows_of(whole.regions, part.start, part.stop)
+        size = (part.stop - part.start, *whole.shape[1:])
+    elif len(whole.regions) == 1 and len(whole.shape) == 2 and part.dim == 1:
+        regions = (ColumnRange(whole.regions[0].source, part.start, part.stop),)
+        size = (whole.shape[0], part.stop - part.start)
+    else:
+        raise LayoutError(f"{whole.name}: cannot split along dim {part.dim}")
+    return PlannedTensor(whole.name, whole.dtype, size, regions, whole.shard, rank)
+
+
+def _rows_of(regions: Sequence[Region], start: int, stop: int) -> tuple[Region, ...]:
+    """Rows ``[start, stop)`` of the concatenation of row ``regions``."""
+    out: list[Region] = []
+    at = 0
+    for region in regions:
+        assert isinstance(region, RowRange)
+        lo, hi = max(start, at), min(stop, at + region.rows)
+        if lo < hi:
+            first = region.start + lo - at
+            out.append(RowRange(region.source, first, first + hi - lo))
+        at += region.rows
+    return tuple(out)
+
+
+def _hf_files(
+    sources: Mapping[str, tuple[str, Sequence[int]]], shape: ModelShape, prefix: str
+) -> tuple[PlannedFile, ...]:
+    tensors = [
+        PlannedTensor(name, dtype, tuple(size), _whole(name, size), Shard(ShardKind.HF))
+        for name, (dtype, size) in sources.items()
+        if not (name == "lm_head.weight" and shape.tie_word_embeddings)
+    ]
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > HF_SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.nbytes
+    return tuple(
+        PlannedFile(prefix + hf_file_name(i, len(shards)), tuple(shard))
+        for i, shard in enumerate(shards, start=1)
+    )
+
+
+def _whole(name: str, size: Sequence[int]) -> tuple[Region, ...]:
+    return (RowRange(name, 0, size[0] if size else 1),)
