@@ -99,6 +99,7 @@ class BatchSource:
         self.claimed = 0
         self.latest = 0
         self._last_claim = 0.0
+        self._version_steps: dict[int, int | None] = {}
         self._running = False
         self._replies_lost = False
         self._call(lambda: ensure_group(client, keys), "creating the trainer group")
@@ -200,6 +201,18 @@ class BatchSource:
         latest = self._call(lambda: self.client.get(self.keys.latest), "reading the latest version")
         self.latest = int(latest or 0)
         return self.latest - policy_version
+
+    def version_step(self, policy_version: int) -> int | None:
+        """The training step whose weights version ``policy_version`` holds (None for the
+        uniform v0 or a version no longer registered); versions never change, so each is
+        read once."""
+        if policy_version not in self._version_steps:
+            step = self._call(
+                lambda: self.client.hget(self.keys.version(policy_version), "step"),
+                "reading a version's step",
+            )
+            self._version_steps[policy_version] = int(step) if step is not None else None
+        return self._version_steps[policy_version]
 
     def ack(self, entry_ids: Sequence[str]) -> None:
         """Acknowledge ``entry_ids`` and the re-delivered entries found already applied."""

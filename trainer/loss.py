@@ -135,6 +135,33 @@ def k3_kl(logp: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return (torch.exp(delta) - delta - 1).clamp(0.0, KL_LIMIT)
 
 
+@dataclass(frozen=True)
+class Mismatch:
+    """How far the engine's log-probabilities of the sampled tokens (``old_logprobs``) are
+    from the trainer's own, over the trained tokens, before the update."""
+
+    kl: torch.Tensor
+    """Sum over the trained tokens of the k3 estimate of KL(engine || trainer)."""
+    max_abs: torch.Tensor
+    """Largest absolute difference of a token's log-probability."""
+    tokens: int
+
+
+def logprob_mismatch(logits: torch.Tensor, batch: RolloutBatch) -> Mismatch | None:
+    """The train/inference mismatch of ``batch`` under ``logits`` (None without
+    ``old_logprobs``). For a batch sampled from the very weights the trainer holds, it
+    measures only numerics (bf16, kernels); a wrong load shows as a far larger KL."""
+    if batch.old_logprobs is None:
+        return None
+    mask = trained_mask(batch).bool()
+    logp = token_logprobs(logits.detach(), batch.input_ids)[mask]
+    engine = batch.old_logprobs[mask]
+    if engine.numel() == 0:
+        return None
+    kl = k3_kl(engine, logp).sum()
+    return Mismatch(kl, (logp - engine).abs().max(), int(engine.numel()))
+
+
 def sft_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:
     """Negative log-likelihood of the trained tokens (advantages are ignored)."""
     logp = token_logprobs(logits, batch.input_ids)

@@ -49,7 +49,9 @@ from weightcast.trainer.hf_start import StartCheckpoint, load_start, start_confi
 from weightcast.trainer.loss import (
     LossFn,
     LossSettings,
+    Mismatch,
     get_loss,
+    logprob_mismatch,
     policy_entropy,
     trained_tokens,
 )
@@ -84,6 +86,16 @@ class StepTotals:
     input_tokens: float = 0.0
     failed_losses: float = 0.0
     """Micro-batches whose loss was not finite."""
+    mismatch_kl: float = 0.0
+    """Summed k3 KL(engine || trainer) of the trained tokens of on-policy batches."""
+    mismatch_tokens: float = 0.0
+    mismatch_max: float = -1.0
+    """Largest log-probability difference of those tokens; -1 when there were none."""
+
+    def add_mismatch(self, mismatch: Mismatch) -> None:
+        self.mismatch_kl += mismatch.kl.item()
+        self.mismatch_tokens += mismatch.tokens
+        self.mismatch_max = max(self.mismatch_max, mismatch.max_abs.item())
 
     def add(self, values: dict[str, float], trained: float, inputs: int, finite: bool) -> None:
         self.input_tokens += inputs
@@ -100,17 +112,27 @@ class StepTotals:
         named = {f"weighted.{k}": v for k, v in self.weighted.items()}
         named |= {f"weights.{k}": v for k, v in self.weights.items()}
         named |= {"input_tokens": self.input_tokens, "failed_losses": self.failed_losses}
+        named |= {"mismatch_kl": self.mismatch_kl, "mismatch_tokens": self.mismatch_tokens}
         summed = collectives.sum_over_ranks(named, device)
+        (largest,) = collectives.max_over_ranks([self.mismatch_max], device)
         return StepTotals(
             {k: summed[f"weighted.{k}"] for k in STEP_METRICS},
             {k: summed[f"weights.{k}"] for k in STEP_METRICS},
             summed["input_tokens"],
             summed["failed_losses"],
+            summed["mismatch_kl"],
+            summed["mismatch_tokens"],
+            largest,
         )
 
     def means(self) -> dict[str, float]:
-        """Each metric's mean over the trained tokens that reported it."""
-        return {k: self.weighted[k] / self.weights[k] for k in STEP_METRICS if self.weights[k]}
+        """Each metric's mean over the trained tokens that reported it, and the mismatch
+        (``mismatch_kl``: mean KL per token, ``mismatch_max``) when a batch was on-policy."""
+        means = {k: self.weighted[k] / self.weights[k] for k in STEP_METRICS if self.weights[k]}
+        if self.mismatch_tokens:
+            means["mismatch_kl"] = self.mismatch_kl / self.mismatch_tokens
+            means["mismatch_max"] = self.mismatch_max
+        return means
 
 
 _CPU_NOISE = (
@@ -350,7 +372,8 @@ class Trainer(ForgeEngine):
         start = time.perf_counter()
         items, self.buffer = self.buffer[: plan.take], self.buffer[plan.take :]
         self.batches.begin_step([item.entry_id for item in items])
-        outcome = self.train_step([item.batch for item in items], plan.passes)
+        on_policy = [self._on_policy(item.batch) for item in items]
+        outcome = self.train_step([item.batch for item in items], plan.passes, on_policy)
         if not outcome.applied:
             self.batches.end_step()  # finished: the batches at fault are dead-lettered now
             self._drop(items, outcome)
@@ -369,6 +392,11 @@ class Trainer(ForgeEngine):
                 self._publish()
         seconds = time.perf_counter() - start
         metrics = outcome.metrics
+        if "mismatch_kl" in metrics:  # the same on every rank: the sums were reduced
+            pairs = zip(items, on_policy, strict=True)
+            sampled = [item.batch.policy_version for item, on in pairs if on]
+            (version,) = collectives.max_over_ranks([max(sampled, default=-1.0)], self.device)
+            metrics["mismatch_version"] = int(version)
         oldest = min((item.batch.policy_version for item in items), default=None)
         lag = self.batches.policy_lag(oldest) if oldest is not None else None
         tokens = metrics.pop("tokens")
@@ -392,9 +420,18 @@ class Trainer(ForgeEngine):
         )
         self._report(force=True)
 
-    def train_step(self, batches: list[RolloutBatch], passes: int) -> StepOutcome:
+    def _on_policy(self, batch: RolloutBatch) -> bool:
+        """The batch was sampled from the version that holds exactly the weights the trainer
+        holds now (policy lag 0 steps): its ``old_logprobs`` should equal the trainer's."""
+        return self.batches.version_step(batch.policy_version) == self.train_state.step
+
+    def train_step(
+        self, batches: list[RolloutBatch], passes: int, on_policy: list[bool] | None = None
+    ) -> StepOutcome:
         """One optimizer step over this rank's micro-batches, in ``passes`` forward/backward
-        passes (the ones beyond ``batches`` on no batch, with zero weight).
+        passes (the ones beyond ``batches`` on no batch, with zero weight). For the batches
+        ``on_policy`` marks, it also measures the train/inference mismatch
+        (:func:`~weightcast.trainer.loss.logprob_mismatch`) on the logits it computes anyway.
 
         Each micro-batch's loss (a mean over its trained tokens) is weighted by its share of
         the trained tokens of the whole step on all ranks, so the update is the one a single
@@ -421,6 +458,10 @@ class Trainer(ForgeEngine):
                 "loss": result.loss.item(),
                 "entropy": policy_entropy(logits, batch).item(),
             }
+            if on_policy and on_policy[index]:
+                mismatch = logprob_mismatch(logits, batch)
+                if mismatch is not None:
+                    totals.add_mismatch(mismatch)
             del logits
             (result.loss * (tokens[index] * self.dp_degree / total)).backward()
             finite.append(math.isfinite(values["loss"]))

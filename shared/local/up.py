@@ -25,7 +25,10 @@ from statistics import mean
 import redis
 
 from weightcast.contract.codec import META_FIELD
+from weightcast.contract.errors import ConfigError, LayoutError
+from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
+from weightcast.contract.untrusted import json_object
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import Config
 from weightcast.runtime.settings import env_var
@@ -63,6 +66,9 @@ class Progress:
     follower_version: int = 0
     rewards: dict[int, list[float]] = field(default_factory=dict)
     """Mean reward of each rollout batch, by the policy version it was sampled from."""
+    mismatch: dict[int, float] = field(default_factory=dict)
+    """The largest train/inference mismatch (``mismatch_kl``) the trainer reported for
+    on-policy batches of each version."""
     skipped_by_trainer: int = 0
     """Snapshots the trainer did not start because the previous write was still running."""
     skipped_by_publisher: int = 0
@@ -209,7 +215,13 @@ class Stack:
                 progress.published.append(event)
             elif event["event"] == "evicted":
                 progress.evicted.append(event["version"])
-        progress.step = int(self.redis.hget(self.keys.trainer_heartbeat, "step") or 0)
+        step, version, kl = self.redis.hmget(
+            self.keys.trainer_heartbeat, "step", "mismatch_version", "mismatch_kl"
+        )
+        progress.step = int(step or 0)
+        if version is not None and kl is not None:
+            seen = progress.mismatch.get(int(version), 0.0)
+            progress.mismatch[int(version)] = max(seen, float(kl))
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
         progress.follower_version = json.loads(node)["version"] if node else 0
         for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
@@ -220,10 +232,30 @@ class Stack:
 
 
 def trainer_env(config: Config) -> dict[str, str]:
-    """``up.lr`` for the trainer, unless the user set ``trainer.lr`` (in the file or env)."""
-    if "trainer.lr" in config.sources:
-        return {}
-    return {env_var("trainer.lr"): repr(config.up.lr)}
+    """What ``up``'s own settings make of its processes' settings: ``up.lr`` for the trainer
+    unless the user set ``trainer.lr`` (in the file or env); with ``--init-from``, the start
+    for the trainer and its vocabulary for the rollout node's uniform version 0."""
+    env = {} if "trainer.lr" in config.sources else {env_var("trainer.lr"): repr(config.up.lr)}
+    start = config.trainer.init_from
+    if start:
+        path = Path(start).absolute()
+        env[env_var("trainer.init_from")] = str(path)
+        env[env_var("rollout.vocab_size")] = str(start_vocab_size(path))
+    return env
+
+
+def start_vocab_size(start: Path) -> int:
+    """The vocabulary of the checkpoint ``up --init-from`` starts from (its ``config.json``;
+    the trainer checks the rest before it starts)."""
+    path = start / "config.json"
+    try:
+        config = json_object(path.read_bytes(), str(path), ConfigError)
+    except OSError as exc:
+        raise ConfigError(f"trainer.init_from: cannot read {path}: {exc.strerror}") from None
+    try:
+        return ModelShape.from_hf_config(config).vocab_size
+    except LayoutError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -252,7 +284,8 @@ def run_up(config: Config, options: UpOptions) -> int:
         config.common.namespace = f"up-{stamp}"
     steps, redis_url = up.steps, options.redis_url
     print(
-        f"weightcast up: {steps} steps of {config.trainer.model}, a snapshot every "
+        f"weightcast up: {steps} steps of {config.trainer.init_from or config.trainer.model}, "
+        "a snapshot every "
         f"{up.publish_every}; files in {run_dir}",
         flush=True,
     )
@@ -302,7 +335,7 @@ def summary(
         "(a newer one was complete)",
         f"  the inference node loaded v{progress.follower_version}; "
         f"{dead_letters} batches dead-lettered",
-        "  version   step   snapshot -> registered   rollouts   mean reward",
+        "  version   step   snapshot -> registered   rollouts   mean reward   train/infer KL",
     ]
     rows = [(0, None)] + [(e["version"], e) for e in published]
     for version, event in rows:
@@ -312,7 +345,10 @@ def summary(
         step = "-" if event is None else str(event["step"])
         lag = "(uniform start)" if event is None else f"{event['lag_s']:.3f}s"
         reward = f"{mean(batches):.3f}" if batches else "-"
-        lines.append(f"  v{version:<8} {step:>4}   {lag:<22} {len(batches):>8}   {reward:>11}")
+        kl = f"{progress.mismatch[version]:.2e}" if version in progress.mismatch else "-"
+        lines.append(
+            f"  v{version:<8} {step:>4}   {lag:<22} {len(batches):>8}   {reward:>11}   {kl:>14}"
+        )
     sampled = sorted(progress.rewards)
     if len(sampled) >= 2:
         first, last = progress.rewards[sampled[0]], progress.rewards[sampled[-1]]

@@ -13,6 +13,7 @@ from weightcast.trainer.loss import (
     LossSettings,
     get_loss,
     grpo_loss,
+    logprob_mismatch,
     policy_entropy,
     sft_loss,
     token_logprobs,
@@ -180,3 +181,21 @@ def test_the_kl_estimate_is_clamped_far_from_the_reference() -> None:
     result = grpo_loss(logits, batch, LossSettings(kl_coef=1.0))
     assert result.metrics["kl"] == KL_LIMIT
     assert result.loss.item() == pytest.approx(KL_LIMIT)
+
+
+def test_the_mismatch_is_zero_on_the_trainers_own_logprobs_and_grows_with_a_wrong_engine() -> None:
+    mask = [[0, 1, 1, 1], [0, 0, 1, 1]]
+    logits, without = make_batch(mask, [1.0, -1.0])
+    assert logprob_mismatch(logits, without) is None
+    own = token_logprobs(logits, without.input_ids).detach()
+    _, same = make_batch(mask, [1.0, -1.0], old_logprobs=own)
+    exact = logprob_mismatch(logits, same)
+    assert exact is not None and exact.tokens == 5
+    assert exact.kl.item() == 0.0 and exact.max_abs.item() == 0.0
+    shifted = own.clone()
+    shifted[1, 3] -= 0.5  # one trained token; position 0 of row 0 is never trained
+    shifted[0, 0] -= 100.0
+    _, wrong = make_batch(mask, [1.0, -1.0], old_logprobs=shifted)
+    off = logprob_mismatch(logits, wrong)
+    assert off is not None and off.max_abs.item() == pytest.approx(0.5)
+    assert off.kl.item() == pytest.approx(math.exp(0.5) - 0.5 - 1)  # k3 of that one token
