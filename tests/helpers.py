@@ -748,18 +748,24 @@ def save_pretrained_qwen3(
     dtype: torch.dtype = torch.bfloat16,
     shard_kb: int | None = None,
     seed: int = 0,
+    scale: float = 1.0,
 ) -> Path:
     """A real ``Qwen3ForCausalLM`` checkpoint written by ``transformers``' ``save_pretrained``
     (sharded into files of at most ``shard_kb`` KB when given), as a user's would be. Its
     weights are random and then moved off the init's distribution (+0.5 on every norm, a
-    seed-dependent offset elsewhere), so a run that ignored it could not pass for it."""
+    seed-dependent offset elsewhere), so a run that ignored it could not pass for it. A
+    ``scale`` above 1 multiplies the matrices, for a model whose predictions are peaked (a
+    random init's are near uniform, where even a wrong load changes little)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPES[shape]))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.add_(0.5 if "norm" in name else 0.01 * (seed + 1))
+            if "norm" in name:
+                param.add_(0.5)
+            else:
+                param.mul_(scale).add_(0.01 * (seed + 1))
     model.to(dtype).save_pretrained(
         directory, **({"max_shard_size": f"{shard_kb}KB"} if shard_kb else {})
     )
