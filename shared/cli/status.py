@@ -20,6 +20,7 @@ from typing import Any, TextIO
 import redis
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
 from weightcast.runtime.retry import REDIS_DOWN, Outage
 
@@ -60,22 +61,21 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
     nodes = {}
     for node, value in client.hgetall(keys.nodes).items():
         try:
-            entry = json_object(value, "its entry", ValueError)
-            version, at = int(entry["version"]), float(entry["at"])
-        except (ValueError, KeyError, TypeError) as exc:  # not what a node writes
-            version, at, entry = 0, now, {"error": f"unreadable entry in {keys.nodes}: {exc}"}
-        age = round(now - at, 1)
+            report = NodeReport.parse(value)
+        except ValueError as exc:  # not what a node writes
+            report = NodeReport(0, now, f"unreadable entry in {keys.nodes}: {exc}")
+        age = round(now - report.at, 1)
         stale = []
         if age > stale_seconds:
             stale.append(f"no report for {age:.0f}s")
-        if version not in live:
-            stale.append(f"v{version} was evicted")
+        if report.version not in live:
+            stale.append(f"v{report.version} was evicted")
         nodes[node.decode(errors="replace")] = {
-            "version": version,
+            "version": report.version,
             "age_s": age,
-            "behind": max(0, latest - version),
+            "behind": max(0, latest - report.version),
             "stale": "; ".join(stale),
-            "error": str(entry.get("error", "")),
+            "error": report.error,
         }
     heartbeat: dict[str, Any] = {
         k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()

@@ -14,7 +14,6 @@ at once that it is gone. A thread renews the lease while it is held.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -31,7 +30,9 @@ from weightcast.client.versions import VersionInfo, leased_info, live_info
 from weightcast.contract.errors import VersionGone, WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import Manifest
+from weightcast.contract.nodes import NodeReport
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN
 
 log = get_logger("weights")
@@ -68,7 +69,7 @@ class WeightsClient:
         lease_seconds: float = 30.0,
         verified_dir: Path | str | None = None,
     ) -> None:
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = redis_client(redis_url)
         self.keys = Keys(namespace)
         self.node_id = node_id or default_node_id()
         self.files = VersionReader(weights_root, verified_dir)
@@ -167,11 +168,11 @@ class WeightsClient:
         :meth:`weightcast.client.reader.VersionReader.rank_tensors`)."""
         return self.files.rank_tensors(self._info(version), tp_rank, tp_size)
 
-    def report_loaded(self, version: int) -> None:
-        """Record in ``{wc}:nodes`` that this node now serves ``version``."""
-        self.redis.hset(
-            self.keys.nodes, self.node_id, json.dumps({"version": version, "at": time.time()})
-        )
+    def report_loaded(self, version: int, error: str = "") -> None:
+        """Record in ``{wc}:nodes`` that this node now serves ``version`` (and why the last
+        version offered was not loaded, if it was not)."""
+        report = NodeReport(version, time.time(), error)
+        self.redis.hset(self.keys.nodes, self.node_id, report.encode())
 
     def close(self) -> None:
         self.redis.close()
@@ -270,8 +271,8 @@ class AsyncWeightsClient:
     ) -> dict[str, torch.Tensor]:
         return await asyncio.to_thread(self.client.rank_tensors, version, tp_rank, tp_size)
 
-    async def report_loaded(self, version: int) -> None:
-        await asyncio.to_thread(self.client.report_loaded, version)
+    async def report_loaded(self, version: int, error: str = "") -> None:
+        await asyncio.to_thread(self.client.report_loaded, version, error)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.client.close)

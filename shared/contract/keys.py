@@ -86,7 +86,7 @@ class Keys:
 
     @property
     def nodes(self) -> str:
-        """Hash node id -> JSON ``{"version": N, "at": unix_s}``."""
+        """Hash node id -> a :class:`~weightcast.contract.nodes.NodeReport` as JSON."""
         return f"{self.tag}:nodes"
 
     @property
