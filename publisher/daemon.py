@@ -47,6 +47,11 @@ from weightcast.publisher.eviction import Evictor
 from weightcast.publisher.leader import LeaderLock
 from weightcast.publisher.metrics import PublisherMetrics
 from weightcast.publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
+from weightcast.publisher.retention import (
+    prune_nodes,
+    prune_quarantine_records,
+    prune_snapshot_records,
+)
 from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot, complete_snapshots
 from weightcast.publisher.watcher import SnapshotWatcher
 from weightcast.runtime.config import Config
@@ -197,6 +202,7 @@ class Publisher:
         self.evict()
         self.prune_snapshots()
         self.prune_quarantine()
+        self.prune_records()
 
     def pending_snapshots(self) -> list[Snapshot]:
         """Complete snapshots not yet handled, oldest first; the broken ones quarantined and
@@ -345,6 +351,18 @@ class Publisher:
         )
         for entry in entries[: max(0, len(entries) - self.cfg.keep_quarantined)]:
             remove_dir(entry)
+
+    def prune_records(self) -> None:
+        """Bound the Redis records: stale nodes, old snapshot and quarantine records."""
+        on_disk = {s.info.snapshot_id for s in complete_snapshots(self.checkpoint_dir)[0]}
+        keep = self.cfg.keep_records
+        dropped = {
+            "nodes": prune_nodes(self.redis, self.keys, self.cfg.node_retention_seconds),
+            "snapshot_records": prune_snapshot_records(self.redis, self.keys, keep, on_disk),
+            "quarantine_records": prune_quarantine_records(self.redis, self.keys, keep),
+        }
+        if any(dropped.values()):
+            log.info("pruned records", **{k: len(v) for k, v in dropped.items()})
 
     def clean_weights_dir(self) -> None:
         """Remove what a crash can leave: temp and trash directories, unregistered versions."""

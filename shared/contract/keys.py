@@ -75,6 +75,12 @@ class Keys:
         return f"{self.tag}:weights:snapshots"
 
     @property
+    def snapshot_order(self) -> str:
+        """Sorted set snapshot id -> unix time its :attr:`snapshots` record was first seen:
+        the order in which those records are pruned."""
+        return f"{self.tag}:weights:snapshots:order"
+
+    @property
     def quarantine(self) -> str:
         """Hash snapshot id (or directory name) -> JSON ``{"reason", "step", "path", "at"}``."""
         return f"{self.tag}:weights:quarantine"

@@ -321,6 +321,19 @@ class PublisherConfig:
         flag="--keep-quarantined",
         ge=0,
     )
+    keep_records: int = setting(
+        1000,
+        "records of handled and of quarantined snapshots kept in Redis (newest first); older "
+        "ones are deleted",
+        flag="--keep-records",
+        ge=10,
+    )
+    node_retention_seconds: float = setting(
+        86400.0,
+        "a node that has not reported for this long is removed from {wc}:nodes (and status)",
+        flag="--node-retention-seconds",
+        ge=60,
+    )
 
 
 @dataclass
