@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,24 +120,16 @@ class WeightsClient:
         finally:
             pubsub.close()
 
-    def acquire(self, version: int) -> Lease:
-        """Take a lease on ``version`` (:class:`VersionGone` if evicted); release it."""
-        return Lease(self, self.take_lease(version))
-
-    @contextmanager
-    def lease(self, version: int) -> Iterator[VersionInfo]:
-        """Hold ``version`` while the block runs; raises :class:`VersionGone` if evicted.
+    def lease(self, version: int) -> Lease:
+        """Hold ``version``: ``with client.lease(v) as info:``, or keep the :class:`Lease` and
+        :meth:`Lease.release` it; raises :class:`VersionGone` if evicted.
 
         A thread renews the lease every third of its time to live; the lease is removed on
-        exit, and expires by itself if this process dies.
+        release, and expires by itself if this process dies.
         """
-        held = self.acquire(version)
-        try:
-            yield held.info
-        finally:
-            held.release()
+        return Lease(self, version)
 
-    def take_lease(self, version: int) -> VersionInfo:
+    def _take_lease(self, version: int) -> VersionInfo:
         """Add or renew this node's lease on ``version``; the version's registry entry."""
         keys = [self.keys.versions, self.keys.leases(version), self.keys.version(version)]
         return leased_info(
@@ -182,16 +174,23 @@ class WeightsClient:
 
 
 class Lease:
-    """A lease held on one version; a thread renews it until :meth:`release`."""
+    """A lease held on one version; a thread renews it until :meth:`release` (or the end of
+    the ``with`` block)."""
 
-    def __init__(self, client: WeightsClient, info: VersionInfo) -> None:
+    def __init__(self, client: WeightsClient, version: int) -> None:
         self.client = client
-        self.info = info
+        self.info = info = client._take_lease(version)
         self._stop = threading.Event()
         self._renewer = threading.Thread(
             target=self._renew, name=f"weightcast-lease-v{info.version}", daemon=True
         )
         self._renewer.start()
+
+    def __enter__(self) -> VersionInfo:
+        return self.info
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         """Stop renewing and remove the lease (if Redis is away it expires by itself)."""
@@ -209,7 +208,7 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.client.lease_ms / 3000):
             try:
-                self.client.take_lease(self.info.version)
+                self.client._take_lease(self.info.version)
             except VersionGone:
                 log.error(
                     "lease lost: it expired and the version was evicted", version=self.info.version
@@ -248,7 +247,7 @@ class AsyncWeightsClient:
 
     @asynccontextmanager
     async def lease(self, version: int) -> AsyncIterator[VersionInfo]:
-        held = await asyncio.to_thread(self.client.acquire, version)
+        held = await asyncio.to_thread(self.client.lease, version)
         try:
             yield held.info
         finally:

@@ -174,7 +174,11 @@ class TrainerConfig:
         8e-4, "the optimizer's peak learning rate (after warm-up)", flag="--lr", gt=0, le=1
     )
     kl_coef: float = setting(
-        0.0, "weight of the k3 KL to the reference log-probabilities", flag="--kl-coef", ge=0
+        0.0,
+        "weight of the k3 KL to the reference log-probabilities",
+        flag="--kl-coef",
+        ge=0,
+        le=10,
     )
     dual_clip: float = setting(
         3.0,
