@@ -31,6 +31,7 @@ HEARTBEAT_FIGURES = (
     "tokens_per_s",
     "step_seconds",
     "last_policy_lag",
+    "mismatch_kl",
     "pending",
     "dead_lettered",
     "checkpoint_step",
