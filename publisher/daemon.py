@@ -31,7 +31,7 @@ from typing import Any
 import redis
 
 from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
-from weightcast.contract.errors import ConfigError, LayoutError
+from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
 from weightcast.contract.snapshots import snapshot_step
@@ -46,12 +46,18 @@ from weightcast.publisher.eviction import Evictor
 from weightcast.publisher.leader import LeaderLock
 from weightcast.publisher.metrics import PublisherMetrics
 from weightcast.publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
+from weightcast.publisher.retention import (
+    prune_nodes,
+    prune_quarantine_records,
+    prune_snapshot_records,
+)
 from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot, complete_snapshots
 from weightcast.publisher.watcher import SnapshotWatcher
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
-from weightcast.runtime.retry import REDIS_DOWN, Outage
+from weightcast.runtime.redis_client import redis_client
+from weightcast.runtime.retry import REDIS_DOWN, Backoff, Outage
 
 log = get_logger("publisher")
 
@@ -61,7 +67,7 @@ REASON_FILE = "REASON.txt"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
-class NotLeader(RuntimeError):
+class NotLeader(WeightcastError):
     """``--once`` found another publisher holding the lock."""
 
 
@@ -79,23 +85,20 @@ class Publisher:
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
         self.keys = Keys(config.common.namespace)
-        self.redis = redis.Redis.from_url(
-            config.common.redis_url, socket_timeout=10, socket_connect_timeout=5
-        )
+        self.redis = redis_client(config.common.redis_url)
         self.registry = Registry(self.redis, self.keys)
         self.evictor = Evictor(self.redis, self.keys, self.weights_dir, cfg.keep)
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
         self.stopping = threading.Event()
         self.outage = Outage(budget=config.common.redis_retry_seconds, cap=cfg.retry_max_seconds)
-        self.disk_failures = 0
+        self.disk = Backoff(cap=cfg.retry_max_seconds)
+        """The back-off of a failing disk (full, read-only), retried without end."""
         self.last_error = ""
         self.last_tick = time.monotonic()
         self.announced_standby = False
         self.watcher: SnapshotWatcher | None = None
-        self._health_redis = redis.Redis.from_url(
-            config.common.redis_url, socket_timeout=1, socket_connect_timeout=1
-        )
+        self._health_redis = redis_client(config.common.redis_url, timeout=1)
 
     def run(self) -> None:
         """Serve until SIGTERM/SIGINT, or with ``--once`` publish what is there and return."""
@@ -198,6 +201,7 @@ class Publisher:
         self.evict()
         self.prune_snapshots()
         self.prune_quarantine()
+        self.prune_records()
 
     def pending_snapshots(self) -> list[Snapshot]:
         """Complete snapshots not yet handled, oldest first; the broken ones quarantined and
@@ -347,6 +351,18 @@ class Publisher:
         for entry in entries[: max(0, len(entries) - self.cfg.keep_quarantined)]:
             remove_dir(entry)
 
+    def prune_records(self) -> None:
+        """Bound the Redis records: stale nodes, old snapshot and quarantine records."""
+        on_disk = {s.info.snapshot_id for s in complete_snapshots(self.checkpoint_dir)[0]}
+        keep = self.cfg.keep_records
+        dropped = {
+            "nodes": prune_nodes(self.redis, self.keys, self.cfg.node_retention_seconds),
+            "snapshot_records": prune_snapshot_records(self.redis, self.keys, keep, on_disk),
+            "quarantine_records": prune_quarantine_records(self.redis, self.keys, keep),
+        }
+        if any(dropped.values()):
+            log.info("pruned records", **{k: len(v) for k, v in dropped.items()})
+
     def clean_weights_dir(self) -> None:
         """Remove what a crash can leave: temp and trash directories, unregistered versions."""
         self.weights_dir.mkdir(parents=True, exist_ok=True)
@@ -366,7 +382,7 @@ class Publisher:
         """Unhealthy when Redis does not answer, a failure is being retried, or the loop has
         not ticked for a long while."""
         stalled = time.monotonic() - self.last_tick
-        failures = self.outage.attempts + self.disk_failures
+        failures = self.outage.attempts + self.disk.failures
         detail: dict[str, Any] = {
             "leader": self.lock.held,
             "seconds_since_loop": round(stalled, 1),
@@ -383,18 +399,17 @@ class Publisher:
         return Health(ok, detail)
 
     def _recovered(self) -> None:
-        if self.disk_failures:
-            log.info("filesystem recovered", after_failures=self.disk_failures)
+        if self.disk.failures:
+            log.info("filesystem recovered", after_failures=self.disk.failures)
         self.outage.recovered()
-        self.disk_failures = 0
+        self.disk.reset()
         self.last_error = ""
 
     def _disk_failed(self, exc: OSError) -> float:
         """Count a filesystem failure; the back-off before the next try."""
         self.metrics.errors.labels("disk").inc()
-        self.disk_failures += 1
+        delay = self.disk.next()
         self.last_error = f"disk: {exc}"
-        delay = min(self.cfg.retry_max_seconds, 0.5 * 2 ** (self.disk_failures - 1))
         log.error("filesystem error; retrying", error=exc, retry_in=delay)
         return delay
 
@@ -410,9 +425,12 @@ class Publisher:
 
 
 def run_publisher(config: Config) -> int:
+    """Run the publisher; 1 when the disk failed outside the retried loop (``--once``, or
+    setting up). :class:`NotLeader` and the other errors are the command's to print."""
     try:
         Publisher(config).run()
-    except (NotLeader, OSError) as exc:
-        log.error("publisher --once gave up", reason=str(exc))
+    except OSError as exc:
+        gave_up = "publisher --once gave up" if config.publisher.once else "publisher gave up"
+        log.error(gave_up, reason=str(exc))
         return 1
     return 0

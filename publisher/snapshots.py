@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.snapshots import (
     CONFIG_NAME,
     IncompleteSnapshot,
@@ -16,7 +17,7 @@ from weightcast.contract.snapshots import (
 )
 
 
-class CorruptSnapshot(ValueError):
+class CorruptSnapshot(WeightcastError, ValueError):
     """A snapshot that cannot be published as it is; the message says why."""
 
 

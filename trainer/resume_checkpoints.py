@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import WeightcastError
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.retry import Backoff
 from weightcast.trainer import collectives
 from weightcast.trainer.resume import (
     IncompleteCheckpoint,
@@ -227,7 +228,7 @@ class ResumeCheckpoints:
         to train again. ``report`` refreshes the heartbeat between tries.
         """
         seen = signals()
-        pause = 1.0
+        backoff = Backoff(first=1.0, cap=FINAL_RETRY_MAX_S)
         while True:
             self.save()
             self.settle()
@@ -241,10 +242,10 @@ class ResumeCheckpoints:
                     f"since step {self.durable_step} stay pending and are trained again by the "
                     "next run"
                 )
+            pause = backoff.next()
             log.warning("retrying the last resume checkpoint", retry_in=pause)
             report()
             time.sleep(pause)
-            pause = min(2 * pause, FINAL_RETRY_MAX_S)
 
     def _failed(self, step: int, error: BaseException | None, entry_ids: list[str]) -> None:
         """Training goes on; the entries wait, unacknowledged, for the next checkpoint.

@@ -28,10 +28,7 @@ import uuid
 import warnings
 from typing import Any
 
-import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.experiments.forge.engine import ForgeEngine
 from torchtitan.experiments.forge.job_config import ForgeJobConfig
@@ -42,6 +39,7 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.streams import trim_acknowledged
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.redis_client import REPLY_TIMEOUT_S, redis_client
 from weightcast.runtime.retry import Outage
 from weightcast.trainer import collectives
 from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
@@ -195,7 +193,9 @@ class Trainer(ForgeEngine):
         self.consumer = self._consumer_name()
         self.keys = Keys(config.common.namespace)
         self.outage = Outage(budget=config.common.redis_retry_seconds)
-        self.redis = _connect(config.common.redis_url)
+        self.redis = redis_client(
+            config.common.redis_url, REPLY_TIMEOUT_S + self.cfg.block_ms / 1000
+        )
         self.batches = self._open_batch_source()
         self.snapshots = self._snapshot_writer(config)
         self.telemetry = Telemetry(
@@ -614,12 +614,6 @@ class Trainer(ForgeEngine):
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
-
-
-def _connect(url: str) -> redis.Redis:
-    """A client that reconnects once at once (a pooled connection the server closed), then
-    leaves retrying to :class:`Outage`: its back-off, budget, logs and ``/healthz`` 503."""
-    return redis.Redis.from_url(url, socket_connect_timeout=10, retry=Retry(NoBackoff(), retries=1))
 
 
 def _load_loss(name: str) -> LossFn:

@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from weightcast.client.node import Node
+from weightcast.client.node import Follower, Node
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.retry import Outage
-
-if TYPE_CHECKING:
-    from weightcast.client.vllm.driver import ServerNode
 
 log = get_logger("follow")
 
@@ -50,12 +47,13 @@ def run_follow(config: Config) -> int:
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    vllm_node: ServerNode | None = None
+    node: Follower
     if cfg.vllm_url:
         from weightcast.client.vllm.driver import server_node
 
-        vllm_node = server_node(config, client)
-    node = vllm_node or Node(client, report_every=cfg.poll_seconds)
+        node = server_node(config, client)
+    else:
+        node = plain = Node(client, report_every=cfg.poll_seconds)
     outage = Outage(budget=config.common.redis_retry_seconds)
     server = serve(cfg.metrics_port, lambda: node_health(node, outage))
     log.info(
@@ -66,10 +64,10 @@ def run_follow(config: Config) -> int:
         healthz=server.port if server else "off",
     )
     try:
-        if isinstance(node, Node) and cfg.rollout:
+        if cfg.rollout:  # a plain node: --vllm-url and --rollout exclude each other
             from weightcast.local.rollout import run_rollout_node
 
-            return run_rollout_node(config, node, stop, outage)
+            return run_rollout_node(config, plain, stop, outage)
         while not stop.is_set():
             followed = outage.attempt(
                 lambda: node.step(cfg.poll_seconds, stop), "following", stop.wait
@@ -80,12 +78,11 @@ def run_follow(config: Config) -> int:
     finally:
         if server is not None:
             server.close()
-        if vllm_node is not None:
-            vllm_node.close()
+        node.close()
         client.close()
 
 
-def node_health(node: Node | ServerNode, outage: Outage) -> Health:
+def node_health(node: Follower, outage: Outage) -> Health:
     """``/healthz``: 200 while Redis answers, 503 while it is unreachable or full."""
     detail = {"node_id": node.client.node_id, "version": node.current, **outage.detail()}
     return Health(not outage.ongoing, detail)

@@ -19,6 +19,8 @@ from weightcast.contract.errors import ConfigError, WeightcastError
 from weightcast.runtime.config import COMMANDS, Config
 from weightcast.runtime.dirs import check_writable_dir
 from weightcast.runtime.logs import configure_logging
+from weightcast.runtime.redis_client import redis_client
+from weightcast.runtime.retry import access_denied, access_error
 from weightcast.runtime.settings import add_flags, flag_overrides, load_config
 
 
@@ -74,7 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WeightcastError as exc:
         print(f"{prefix}: {exc}", file=sys.stderr)
         return 1
-    except redis.ConnectionError as exc:
+    except redis.RedisError as exc:
+        if access_denied(exc):  # a call made outside an Outage: the same one line
+            denied = access_error(exc, "talking to Redis")
+            print(f"{prefix}: configuration error: {denied}", file=sys.stderr)
+            return 2
+        if not isinstance(exc, redis.ConnectionError):
+            raise
         print(
             f"{prefix}: cannot reach Redis at {config.common.redis_url}: "
             f"{exc}. Start redis-server or pass --redis-url.",
@@ -125,7 +133,7 @@ def _run(args: argparse.Namespace, config: Config) -> int:
     from weightcast.contract.keys import Keys
     from weightcast.runtime.retry import Outage
 
-    client = redis.Redis.from_url(config.common.redis_url)
+    client = redis_client(config.common.redis_url)
     keys = Keys(config.common.namespace)
 
     def read() -> dict:

@@ -2,9 +2,9 @@
 
 Latest version and its age, live versions with their leases, inference nodes with the
 version each runs (stale ones marked), the active publisher and the snapshots it quarantined,
-the trainer's heartbeat (every field it writes, so new fields show up without a change here)
-and the batch stream's depths. ``--watch`` rides out a Redis outage (``redis_retry_seconds``),
-saying so on screen while it lasts.
+the trainer's heartbeat (the table shows the figures that matter, rounded; ``--json`` every
+field it writes) and the batch stream's depths. ``--watch`` rides out a Redis outage
+(``redis_retry_seconds``), saying so on screen while it lasts.
 """
 
 from __future__ import annotations
@@ -20,11 +20,24 @@ from typing import Any, TextIO
 import redis
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
 from weightcast.runtime.retry import REDIS_DOWN, Outage
 
-HEARTBEAT_ORDER = ("step", "run_id", "consumer", "last_snapshot")
-"""Heartbeat fields shown first, by name; any others follow as ``key=value``."""
+HEARTBEAT_FIGURES = (
+    "loss",
+    "kl",
+    "grad_norm",
+    "tokens_per_s",
+    "step_seconds",
+    "last_policy_lag",
+    "mismatch_kl",
+    "pending",
+    "dead_lettered",
+    "checkpoint_step",
+)
+"""Heartbeat figures the table shows after step, run, consumer and snapshot (``--json``
+has them all)."""
 
 CLEAR = "\x1b[H\x1b[2J"
 """Cursor home and clear screen: ``--watch`` redraws in place."""
@@ -60,22 +73,21 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
     nodes = {}
     for node, value in client.hgetall(keys.nodes).items():
         try:
-            entry = json_object(value, "its entry", ValueError)
-            version, at = int(entry["version"]), float(entry["at"])
-        except (ValueError, KeyError, TypeError) as exc:  # not what a node writes
-            version, at, entry = 0, now, {"error": f"unreadable entry in {keys.nodes}: {exc}"}
-        age = round(now - at, 1)
+            report = NodeReport.parse(value)
+        except ValueError as exc:  # not what a node writes
+            report = NodeReport(0, now, f"unreadable entry in {keys.nodes}: {exc}")
+        age = round(now - report.at, 1)
         stale = []
         if age > stale_seconds:
             stale.append(f"no report for {age:.0f}s")
-        if version not in live:
-            stale.append(f"v{version} was evicted")
+        if report.version not in live:
+            stale.append(f"v{report.version} was evicted")
         nodes[node.decode(errors="replace")] = {
-            "version": version,
+            "version": report.version,
             "age_s": age,
-            "behind": max(0, latest - version),
+            "behind": max(0, latest - report.version),
             "stale": "; ".join(stale),
-            "error": str(entry.get("error", "")),
+            "error": report.error,
         }
     heartbeat: dict[str, Any] = {
         k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()
@@ -181,13 +193,22 @@ def _format_heartbeat(heartbeat: dict[str, Any]) -> str:
         f"consumer {heartbeat['consumer']}" if "consumer" in heartbeat else "",
         f"last snapshot {heartbeat.get('last_snapshot') or '-'}",
     ]
-    extra = [
-        f"{k}={v}" for k, v in sorted(heartbeat.items()) if k not in (*HEARTBEAT_ORDER, "age_s")
-    ]
+    figures = [f"{k} {_rounded(heartbeat[k])}" for k in HEARTBEAT_FIGURES if k in heartbeat]
+    if heartbeat.get("last_checkpoint_error"):
+        figures.append(f"checkpoint error: {heartbeat['last_checkpoint_error']}")
     age = f"heartbeat {heartbeat['age_s']}s ago" if "age_s" in heartbeat else ""
     return ", ".join(part for part in (*known, age) if part) + (
-        "\n         " + " ".join(extra) if extra else ""
+        "\n         " + ", ".join(figures) if figures else ""
     )
+
+
+def _rounded(value: str) -> str:
+    """A heartbeat figure to four significant digits (whole from 1000 on); text as it is."""
+    try:
+        number = float(value)
+    except ValueError:
+        return value
+    return f"{number:.0f}" if number.is_integer() or abs(number) >= 1000 else f"{number:.4g}"
 
 
 def watch(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +36,26 @@ class LoadedVersion:
     @property
     def version(self) -> int:
         return self.info.version
+
+
+class Follower(Protocol):
+    """What ``weightcast follow`` drives, whichever kind of node it runs (:class:`Node`, or
+    :class:`~weightcast.client.vllm.driver.ServerNode` for ``--vllm-url``)."""
+
+    client: WeightsClient
+
+    @property
+    def current(self) -> int:
+        """The version served (0: none yet)."""
+        ...
+
+    def step(self, poll: float, stop: threading.Event | None = None) -> None:
+        """Report when due, then wait up to ``poll`` seconds for a newer version and load it."""
+        ...
+
+    def close(self) -> None:
+        """Release what the node holds between steps."""
+        ...
 
 
 class Node:
@@ -67,6 +87,9 @@ class Node:
         if version is not None:
             self.load(version)
             self.report()
+
+    def close(self) -> None:
+        """Nothing to release: a lease is held only while a version loads."""
 
     def load(self, version: int) -> LoadedVersion | None:
         """Load ``version`` (call :meth:`report` next); None when it was evicted first or is

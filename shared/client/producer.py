@@ -17,7 +17,6 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import redis
 import torch
 
 from weightcast.client.identity import default_node_id
@@ -25,6 +24,7 @@ from weightcast.contract.codec import BatchLimits, encode_batch
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.streams import ensure_group
+from weightcast.runtime.redis_client import redis_client
 
 _COUNT_AFTER = """
 return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
@@ -81,7 +81,7 @@ class BatchProducer:
         self.timeout = timeout
         self.limits = limits
         self.poll = poll
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = redis_client(redis_url)
         self._count_after = self.redis.register_script(_COUNT_AFTER)
         self._group_ready = False
         """The ``trainer`` group exists (created at id 0 by the first push if not)."""

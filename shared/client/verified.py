@@ -41,10 +41,10 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from weightcast.client.confine import FileIdentity
 from weightcast.contract.errors import ConfigError
+from weightcast.contract.untrusted import json_object
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("verified")
@@ -76,16 +76,6 @@ class Verified:
 
     def __or__(self, other: Verified) -> Verified:
         return Verified(self.blocks | other.blocks, self.whole or other.whole)
-
-
-class VerificationRecord(Protocol):
-    """Where a reader looks up and adds what it verified."""
-
-    def known(self, key: RecordKey, file: str, identity: FileIdentity) -> Verified: ...
-
-    def add(
-        self, key: RecordKey, file: str, identity: FileIdentity, verified: Verified
-    ) -> None: ...
 
 
 class ProcessRecord:
@@ -178,7 +168,7 @@ def _read_record(path: Path, identity: FileIdentity) -> Verified:
     """The record at ``path`` if it is for a file of ``identity``; empty otherwise."""
     try:
         with open(path, "rb") as f:
-            raw = json.loads(f.read())
+            raw = json_object(f.read(), str(path), ValueError)
         if raw["identity"] != list(dataclasses.astuple(identity)):
             return Verified()
         blocks = raw["blocks"]

@@ -14,11 +14,10 @@ at once that it is gone. A thread renews the lease while it is held.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +30,10 @@ from weightcast.client.versions import leased_info, live_info
 from weightcast.contract.errors import VersionGone, WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import Manifest
+from weightcast.contract.nodes import NodeReport
 from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN
 
 log = get_logger("weights")
@@ -69,7 +70,7 @@ class WeightsClient:
         lease_seconds: float = 30.0,
         verified_dir: Path | str | None = None,
     ) -> None:
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = redis_client(redis_url)
         self.keys = Keys(namespace)
         self.node_id = node_id or default_node_id()
         self.files = VersionReader(weights_root, verified_dir)
@@ -120,24 +121,16 @@ class WeightsClient:
         finally:
             pubsub.close()
 
-    def acquire(self, version: int) -> Lease:
-        """Take a lease on ``version`` (:class:`VersionGone` if evicted); release it."""
-        return Lease(self, self.take_lease(version))
-
-    @contextmanager
-    def lease(self, version: int) -> Iterator[VersionInfo]:
-        """Hold ``version`` while the block runs; raises :class:`VersionGone` if evicted.
+    def lease(self, version: int) -> Lease:
+        """Hold ``version``: ``with client.lease(v) as info:``, or keep the :class:`Lease` and
+        :meth:`Lease.release` it; raises :class:`VersionGone` if evicted.
 
         A thread renews the lease every third of its time to live; the lease is removed on
-        exit, and expires by itself if this process dies.
+        release, and expires by itself if this process dies.
         """
-        held = self.acquire(version)
-        try:
-            yield held.info
-        finally:
-            held.release()
+        return Lease(self, version)
 
-    def take_lease(self, version: int) -> VersionInfo:
+    def _take_lease(self, version: int) -> VersionInfo:
         """Add or renew this node's lease on ``version``; the version's registry entry."""
         keys = [self.keys.versions, self.keys.leases(version), self.keys.version(version)]
         return leased_info(
@@ -168,11 +161,11 @@ class WeightsClient:
         :meth:`weightcast.client.reader.VersionReader.rank_tensors`)."""
         return self.files.rank_tensors(self._info(version), tp_rank, tp_size)
 
-    def report_loaded(self, version: int) -> None:
-        """Record in ``{wc}:nodes`` that this node now serves ``version``."""
-        self.redis.hset(
-            self.keys.nodes, self.node_id, json.dumps({"version": version, "at": time.time()})
-        )
+    def report_loaded(self, version: int, error: str = "") -> None:
+        """Record in ``{wc}:nodes`` that this node now serves ``version`` (and why the last
+        version offered was not loaded, if it was not)."""
+        report = NodeReport(version, time.time(), error)
+        self.redis.hset(self.keys.nodes, self.node_id, report.encode())
 
     def close(self) -> None:
         self.redis.close()
@@ -182,16 +175,23 @@ class WeightsClient:
 
 
 class Lease:
-    """A lease held on one version; a thread renews it until :meth:`release`."""
+    """A lease held on one version; a thread renews it until :meth:`release` (or the end of
+    the ``with`` block)."""
 
-    def __init__(self, client: WeightsClient, info: VersionInfo) -> None:
+    def __init__(self, client: WeightsClient, version: int) -> None:
         self.client = client
-        self.info = info
+        self.info = info = client._take_lease(version)
         self._stop = threading.Event()
         self._renewer = threading.Thread(
             target=self._renew, name=f"weightcast-lease-v{info.version}", daemon=True
         )
         self._renewer.start()
+
+    def __enter__(self) -> VersionInfo:
+        return self.info
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         """Stop renewing and remove the lease (if Redis is away it expires by itself)."""
@@ -209,7 +209,7 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.client.lease_ms / 3000):
             try:
-                self.client.take_lease(self.info.version)
+                self.client._take_lease(self.info.version)
             except VersionGone:
                 log.error(
                     "lease lost: it expired and the version was evicted", version=self.info.version
@@ -248,7 +248,7 @@ class AsyncWeightsClient:
 
     @asynccontextmanager
     async def lease(self, version: int) -> AsyncIterator[VersionInfo]:
-        held = await asyncio.to_thread(self.client.acquire, version)
+        held = await asyncio.to_thread(self.client.lease, version)
         try:
             yield held.info
         finally:
@@ -271,8 +271,8 @@ class AsyncWeightsClient:
     ) -> dict[str, torch.Tensor]:
         return await asyncio.to_thread(self.client.rank_tensors, version, tp_rank, tp_size)
 
-    async def report_loaded(self, version: int) -> None:
-        await asyncio.to_thread(self.client.report_loaded, version)
+    async def report_loaded(self, version: int, error: str = "") -> None:
+        await asyncio.to_thread(self.client.report_loaded, version, error)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.client.close)

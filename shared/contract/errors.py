@@ -42,5 +42,10 @@ class RedisUnavailable(WeightcastError, ConnectionError):
     """Redis did not answer for longer than the process was told to wait for it."""
 
 
+class RedisAccessDenied(ConfigError):
+    """Redis refused this client: a wrong or missing password (``NOAUTH``, ``WRONGPASS``) or
+    a user without the permission (``NOPERM``). A mistake, not an outage: never retried."""
+
+
 class RedisFull(WeightcastError):
     """Redis refuses writes: its memory is at ``maxmemory`` with the ``noeviction`` policy."""

@@ -75,6 +75,12 @@ class Keys:
         return f"{self.tag}:weights:snapshots"
 
     @property
+    def snapshot_order(self) -> str:
+        """Sorted set snapshot id -> unix time its :attr:`snapshots` record was first seen:
+        the order in which those records are pruned."""
+        return f"{self.tag}:weights:snapshots:order"
+
+    @property
     def quarantine(self) -> str:
         """Hash snapshot id (or directory name) -> JSON ``{"reason", "step", "path", "at"}``."""
         return f"{self.tag}:weights:quarantine"
@@ -86,7 +92,7 @@ class Keys:
 
     @property
     def nodes(self) -> str:
-        """Hash node id -> JSON ``{"version": N, "at": unix_s}``."""
+        """Hash node id -> a :class:`~weightcast.contract.nodes.NodeReport` as JSON."""
         return f"{self.tag}:nodes"
 
     @property

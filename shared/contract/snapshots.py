@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from weightcast.contract.durable import write_json
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.untrusted import json_object
 
 SNAPSHOT_PREFIX = "step-"
@@ -52,7 +53,7 @@ SHARDING_INFO_KEY = "DCP_SHARDING_INFO"
 _SNAPSHOT = re.compile(r"^step-(\d+)$")
 
 
-class IncompleteSnapshot(ValueError):
+class IncompleteSnapshot(WeightcastError, ValueError):
     """A ``step-*`` directory that lacks something the contract requires; says what."""
 
 

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.untrusted import json_object
 
 DTYPE_SIZES = {
@@ -100,7 +101,7 @@ MAX_HEADER_BYTES = 100_000_000
 METADATA_KEY = "__metadata__"
 
 
-class HeaderError(ValueError):
+class HeaderError(WeightcastError, ValueError):
     """A header that is not valid safetensors or contradicts the file it heads."""
 
 

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import redis
 
+from weightcast.contract.errors import WeightcastError
 from weightcast.runtime.net import free_port
 
 
-class RedisServerError(RuntimeError):
-    pass
+class RedisServerError(WeightcastError):
+    """redis-server is missing, exited, or did not answer; the message says which."""
 
 
 def find_redis_server() -> str:

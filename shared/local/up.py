@@ -6,7 +6,8 @@ a separate process with its log in the run directory. The node samples from the 
 version, scores the samples with the toy reward and pushes them; the trainer learns from
 them, so the mean reward per version rises. It exits 0 once the trainer has trained every
 step and the last version is published and loaded by the node; if any process fails it stops
-the others and says which one failed.
+the others and says which one failed. It rides out a Redis outage the way the processes it
+started do (``common.redis_retry_seconds``).
 """
 
 from __future__ import annotations
@@ -25,20 +26,23 @@ from statistics import mean
 import redis
 
 from weightcast.contract.codec import META_FIELD
-from weightcast.contract.errors import ConfigError, LayoutError
+from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
+from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import Config
+from weightcast.runtime.redis_client import redis_client
+from weightcast.runtime.retry import Outage
 from weightcast.runtime.settings import env_var
 
 FOLLOWER_ID = "up-follower"
 STOP_GRACE_S = 20.0
 
 
-class StackFailure(RuntimeError):
-    pass
+class StackFailure(WeightcastError):
+    """A process of the run failed, or the run is not done in time; the message says which."""
 
 
 @dataclass
@@ -102,7 +106,8 @@ class Stack:
         self.config = config
         self.run_dir = run_dir
         self.keys = Keys(config.common.namespace)
-        self.redis = redis.Redis.from_url(redis_url)
+        self.redis = redis_client(redis_url)
+        self.outage = Outage(budget=config.common.redis_retry_seconds)
         self.children: list[Child] = []
         self.env = {
             **os.environ,
@@ -181,7 +186,9 @@ class Stack:
         shown = ""
         while True:
             trainer_done = self.check()
-            self.observe(pubsub, progress)
+            self.outage.attempt(
+                lambda: self.observe(pubsub, progress), "watching the run", time.sleep
+            )
             state = progress.describe(steps)
             if state != shown:
                 print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
@@ -193,7 +200,7 @@ class Stack:
                 and final["step"] == steps
                 and progress.follower_version == final["version"]
             ):
-                self.count_skipped(progress)
+                self.outage.call(lambda: self.count_skipped(progress), "counting skipped snapshots")
                 return progress
             if time.monotonic() - started > timeout:
                 raise StackFailure(f"not done after {timeout:.0f}s: {state}")
@@ -223,7 +230,7 @@ class Stack:
             seen = progress.mismatch.get(int(version), 0.0)
             progress.mismatch[int(version)] = max(seen, float(kl))
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
-        progress.follower_version = json.loads(node)["version"] if node else 0
+        progress.follower_version = NodeReport.parse(node).version if node else 0
         for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
             progress.last_entry = entry_id.decode()
             meta = json.loads(fields.get(META_FIELD.encode(), b"{}"))
@@ -302,7 +309,9 @@ def run_up(config: Config, options: UpOptions) -> int:
             stack = Stack(config, run_dir, redis_url, options.config_file, follower_python)
             resources.callback(stack.stop_all)
             progress = stack.run(steps, up.publish_every, started, up.timeout)
-            dead = stack.redis.xlen(stack.keys.dead_letters)
+            dead = stack.outage.call(
+                lambda: stack.redis.xlen(stack.keys.dead_letters), "counting dead letters"
+            )
     except StackFailure as exc:
         print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -188,7 +188,11 @@ class TrainerConfig:
         8e-4, "the optimizer's peak learning rate (after warm-up)", flag="--lr", gt=0
     )
     kl_coef: float = setting(
-        0.0, "weight of the k3 KL to the reference log-probabilities", flag="--kl-coef", ge=0
+        0.0,
+        "weight of the k3 KL to the reference log-probabilities",
+        flag="--kl-coef",
+        ge=0,
+        le=10,
     )
     dual_clip: float = setting(
         3.0,
@@ -334,6 +338,19 @@ class PublisherConfig:
         "quarantined snapshots kept on disk (newest first); older ones are deleted",
         flag="--keep-quarantined",
         ge=0,
+    )
+    keep_records: int = setting(
+        1000,
+        "records of handled and of quarantined snapshots kept in Redis (newest first); older "
+        "ones are deleted",
+        flag="--keep-records",
+        ge=10,
+    )
+    node_retention_seconds: float = setting(
+        86400.0,
+        "a node that has not reported for this long is removed from {wc}:nodes (and status)",
+        flag="--node-retention-seconds",
+        ge=60,
     )
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import redis
 
 from weightcast.cli.main import COMMANDS, build_parser
+from weightcast.contract.keys import Keys
 from weightcast.runtime.net import free_port
 
 from helpers import clean_env, run_weightcast
@@ -32,3 +34,16 @@ def test_every_command_prints_its_help(command: str, capsys: pytest.CaptureFixtu
         build_parser().parse_args([command, "--help"])
     assert exited.value.code == 0
     assert "--config FILE" in capsys.readouterr().out
+
+
+def test_publisher_once_behind_another_leader_is_one_line_and_exit_1(
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys
+) -> None:
+    client.set(keys.publisher_leader, "publisher-elsewhere", px=60_000)
+    result = run_weightcast(cli_env, "publisher", "--once", "--leader-ttl-seconds", "0.5")
+    assert result.returncode == 1, result.stderr
+    assert (
+        "weightcast publisher: another publisher (publisher-elsewhere) holds the lock"
+        in result.stderr
+    )
+    assert "Traceback" not in result.stderr and "--once gave up" not in result.stderr

@@ -53,6 +53,10 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
             "last_snapshot": "/x/step-6",
             "at": now - 2,
             "custom_field": 42,
+            "loss": 0.69314718055994530,
+            "checkpoint_seconds": 0.20214514500003133,
+            "tokens_per_s": 12345.678,
+            "pending": 3,
         },
     )
     push_batches(redis_server.url, keys, 2, policy_version=3)
@@ -82,7 +86,9 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
     assert "node-silent: v2" in table and "STALE: no report for" in table
     assert "node-fresh: v3 (reported" in table
     assert "step 7, run r1, consumer c1, last snapshot /x/step-6" in table
-    assert "custom_field=42" in table
+    assert "loss 0.6931, tokens_per_s 12346, pending 3" in table  # rounded, as versions
+    assert "custom_field" not in table and "checkpoint_seconds" not in table  # --json has all
+    assert view["trainer"]["checkpoint_seconds"] == "0.20214514500003133"
     assert "2 in stream, 2 undelivered, 0 pending, 0 dead-lettered" in table
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from weightcast.contract.manifest import Manifest, sha256_file, verify_files
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import TrainerConfig
 
-from helpers import REPO, clean_env, run_weightcast, weightcast
+from helpers import REPO, clean_env, run_weightcast, stop, weightcast
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -211,4 +212,51 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path: Path, sig: signal.Signa
     assert "started a private redis-server at redis://127.0.0.1:" in started
     assert "interrupted: stopped every process weightcast up started" in rest
     (run_dir,) = tmp_path.iterdir()
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_up_rides_out_a_redis_restart_like_the_processes_it_started(
+    keys: Keys, tmp_path: Path
+) -> None:
+    """The Redis under a running ``up --redis-url`` (AOF on) stops for four seconds and comes
+    back: ``up`` waits it out as its trainer, publisher and node do, and finishes the run."""
+    server = RedisServer(tmp_path / "redis", appendonly=True).start()
+    steps = 10
+    up = subprocess.Popen(
+        weightcast(
+            "up",
+            "--steps",
+            str(steps),
+            "--workdir",
+            str(tmp_path / "runs"),
+            "--redis-url",
+            server.url,
+            "--namespace",
+            keys.namespace,
+            "--timeout",
+            "400",
+        ),
+        env=clean_env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        started = ""
+        for line in up.stdout:
+            started += line
+            if re.search(r"published v\d+ ", line):  # every process is up, a version went through
+                break
+        server.stop()
+        time.sleep(4)
+        server.start()
+        rest = up.stdout.read()
+        assert up.wait(timeout=60) == 0, started + rest
+    finally:
+        stop(up)
+        server.stop()
+    assert "Redis unreachable; retrying" in rest and "Redis is back" in rest, rest
+    assert f"trained {steps} steps" in rest
+    (run_dir,) = (tmp_path / "runs").iterdir()
     assert processes_mentioning(str(run_dir)) == []

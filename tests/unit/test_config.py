@@ -111,6 +111,11 @@ BAD_SETTINGS = [
     (["trainer", "--steps", "-5"], "trainer.steps (from --steps) must be >= 0, got -5"),
     (["trainer", "--model", "nope"], "trainer.model (from --model) must be one of tiny, small"),
     (["trainer", "--seq-len", "0"], "trainer.seq_len (from --seq-len) must be >= 2, got 0"),
+    (["trainer", "--kl-coef", "1e6"], "trainer.kl_coef (from --kl-coef) must be <= 10, got"),
+    (
+        ["publisher", "--keep-records", "3"],
+        "publisher.keep_records (from --keep-records) must be >= 10",
+    ),
     (["publisher", "--keep", "0"], "publisher.keep (from --keep) must be >= 1, got 0"),
     (["publisher", "--keep", "-1"], "publisher.keep (from --keep) must be >= 1, got -1"),
     (["publisher", "--tp", "3"], "publisher.tp (from --tp) must be a power of two; got 3"),

@@ -14,6 +14,7 @@ WIRE_NAMES = {
     "next_version": "{prod}:weights:next",
     "events": "{prod}:weights:events",
     "snapshots": "{prod}:weights:snapshots",
+    "snapshot_order": "{prod}:weights:snapshots:order",
     "quarantine": "{prod}:weights:quarantine",
     "publisher_leader": "{prod}:publisher:leader",
     "nodes": "{prod}:nodes",

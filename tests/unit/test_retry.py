@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import redis
 
-from weightcast.contract.errors import RedisUnavailable
-from weightcast.runtime.retry import Outage
+from weightcast.contract.errors import RedisAccessDenied, RedisUnavailable
+from weightcast.runtime.retry import Backoff, Outage
 
 
 def test_retries_with_doubling_pauses_until_redis_answers() -> None:
@@ -41,3 +41,34 @@ def test_other_redis_errors_are_not_retried() -> None:
 
     with pytest.raises(redis.ResponseError):
         Outage().call(wrong, "reading", sleep=lambda _: pytest.fail("must not wait"))
+
+
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        redis.AuthenticationError("Authentication required."),
+        redis.AuthenticationError("invalid username-password pair or user is disabled."),
+        redis.exceptions.NoPermissionError("this user has no permissions to run the 'get' command"),
+        redis.ResponseError("NOPERM this user has no permissions (inside a script)"),
+    ],
+)
+def test_a_refused_password_or_permission_is_a_mistake_not_an_outage(
+    refusal: redis.RedisError,
+) -> None:
+    def refused() -> None:
+        raise refusal
+
+    outage = Outage(budget=300)
+    with pytest.raises(RedisAccessDenied, match="Redis refused this client while reading"):
+        outage.call(refused, "reading", sleep=lambda _: pytest.fail("must not wait"))
+    with pytest.raises(RedisAccessDenied):
+        outage.attempt(refused, "reading", lambda _: pytest.fail("must not wait"))
+    assert not outage.ongoing
+
+
+def test_backoff_doubles_up_to_its_cap_and_starts_over_after_a_success() -> None:
+    backoff = Backoff(first=1.0, cap=5.0)
+    assert [backoff.next() for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert backoff.failures == 5
+    backoff.reset()
+    assert backoff.next() == 1.0

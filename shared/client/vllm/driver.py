@@ -27,14 +27,20 @@ from typing import Any, Protocol
 
 from weightcast.client.vllm.protocol import REFUSED
 from weightcast.client.weights import VersionGone, WeightsClient
+from weightcast.contract.errors import WeightcastError
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("vllm")
 
 
-class EngineError(RuntimeError):
+class EngineError(WeightcastError):
     """A step of a weight update failed; the engine was resumed on the version it had."""
+
+
+class VersionRefused(EngineError):
+    """The backend refused the version itself (it does not fit the engine) and touched no
+    parameter: not worth trying again, unlike the engine's own failures."""
 
 
 class ServerUnavailable(EngineError):
@@ -101,7 +107,7 @@ class VllmServer:
             with urllib.request.urlopen(request, timeout=self.timeout) as reply:
                 return json.loads(reply.read() or b"null")
         except urllib.error.HTTPError as exc:
-            raise EngineError(f"{method} {route}: HTTP {exc.code}: {_message(exc)}") from None
+            raise engine_error(f"{method} {route}: HTTP {exc.code}: {_message(exc)}") from None
         except (urllib.error.URLError, OSError) as exc:
             reason = getattr(exc, "reason", exc)
             raise ServerUnavailable(f"{method} {route}: {self.url} unreachable: {reason}") from None
@@ -147,7 +153,7 @@ class LocalEngine:
         try:
             return getattr(self.llm, name)(*args)
         except Exception as exc:  # vLLM reports a worker's failure as a bare Exception
-            raise EngineError(f"{name}: {exc}") from exc
+            raise engine_error(f"{name}: {exc}") from exc
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self._run("init_weight_transfer_engine", {"init_info": init_info})
@@ -172,6 +178,12 @@ class LocalEngine:
 
     def resume(self) -> None:
         self._run("reset_prefix_cache")
+
+
+def engine_error(message: str) -> EngineError:
+    """The error of a failed engine call, typed by what the backend's message says (the one
+    place that reads it: vLLM passes a worker's error on as text only)."""
+    return VersionRefused(message) if REFUSED in message else EngineError(message)
 
 
 def served_version(label: str) -> int:
@@ -286,7 +298,7 @@ class ServerNode:
             return
         except EngineError as exc:
             lease.close()
-            if REFUSED in str(exc):  # the version's fault: not tried again
+            if isinstance(exc, VersionRefused):  # the version's fault: not tried again
                 self.refused.add(version)
             else:  # the server's: try again once it answers
                 self._lost(exc)
@@ -308,11 +320,8 @@ class ServerNode:
         """Record in ``{wc}:nodes`` the version served (and the last error, if any)."""
         if not force and time.monotonic() - self.reported_at < self.report_every:
             return
-        if self.error:
-            record = {"version": self.served, "at": time.time(), "error": self.error}
-            self.client.redis.hset(self.client.keys.nodes, self.client.node_id, json.dumps(record))
-        elif self.served:
-            self.client.report_loaded(self.served)
+        if self.error or self.served:
+            self.client.report_loaded(self.served, self.error)
         self.reported_at = time.monotonic()
 
     def _hold(self, version: int) -> None:
