@@ -770,3 +770,11 @@ def save_pretrained_qwen3(
         directory, **({"max_shard_size": f"{shard_kb}KB"} if shard_kb else {})
     )
     return directory
+
+
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``save_pretrained`` directory (or of an hf-layout version)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors

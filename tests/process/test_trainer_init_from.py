@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from safetensors.torch import load_file
 
 from weightcast.contract.keys import Keys
 
 from helpers import (
     HF_SHAPES,
     checkpoint_model,
+    checkpoint_tensors,
     config_file,
     heartbeat,
     push_batches,
@@ -36,14 +36,6 @@ from helpers import (
 def raw(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor's bytes: equal bytes, not just equal values (-0.0 is not 0.0)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a ``save_pretrained`` directory (or an hf-layout version)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
 
 
 def assert_bitwise_the_start(tensors: dict[str, torch.Tensor], start: Path) -> None:

@@ -13,13 +13,21 @@ from pathlib import Path
 
 import pytest
 import redis
+import torch
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.manifest import Manifest, sha256_file, verify_files
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import TrainerConfig
 
-from helpers import REPO, clean_env, run_weightcast, stop, weightcast
+from helpers import (
+    REPO,
+    clean_env,
+    run_weightcast,
+    save_pretrained_qwen3,
+    stop,
+    weightcast,
+)
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -84,7 +92,7 @@ def test_up_runs_an_rl_loop_whose_reward_rises(
     assert live == [f"v{count - 1}", f"v{count}"]
     assert f"the inference node loaded v{count}; 0 batches dead-lettered" in out
     rows = re.findall(
-        r"^  v(\d+)\s+(\d+|-)\s+(?:[\d.]+s|\(uniform start\))\s+(\d+)\s+([\d.]+|-)$",
+        r"^  v(\d+)\s+(\d+|-)\s+(?:[\d.]+s|\(uniform start\))\s+(\d+)\s+([\d.]+|-)\s+\S+$",
         out,
         re.MULTILINE,
     )
@@ -260,3 +268,36 @@ def test_up_rides_out_a_redis_restart_like_the_processes_it_started(
     assert f"trained {steps} steps" in rest
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_up_runs_the_loop_from_a_users_checkpoint(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """``up --init-from DIR`` with the transformers rollout node: the trainer starts from the
+    ``save_pretrained`` directory, v1 is that directory (step 0) and the node samples from it
+    and every version after; the summary has the mismatch column."""
+    start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16)
+    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
+    result = run_weightcast(
+        env,
+        "up",
+        "--init-from",
+        str(start),
+        "--steps",
+        "6",
+        "--workdir",
+        str(tmp_path / "runs"),
+        "--redis-url",
+        redis_server.url,
+        "--namespace",
+        keys.namespace,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert "started from a checkpoint" in trainer_log and "published the start" in trainer_log
+    assert "train/infer KL" in result.stdout and "0 batches dead-lettered" in result.stdout
+    assert re.search(r"^  v1\s+0\s", result.stdout, re.MULTILINE), result.stdout  # the start
+    config = json.loads((run_dir / "checkpoints" / "step-6" / "config.json").read_text())
+    assert config["vocab_size"] == 515 and config["head_dim"] == 32

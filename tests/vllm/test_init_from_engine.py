@@ -15,24 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from weightcast.client.vllm.driver import swap
 from weightcast.contract.codec import RolloutBatch
 from weightcast.trainer.loss import logprob_mismatch
 
-from helpers import save_pretrained_qwen3
+from helpers import checkpoint_tensors, save_pretrained_qwen3
 from vllm_helpers import Registry, backend_engine
 
 GOOD_KL_BOUND = 1e-3
 BROKEN_FACTOR = 100
-
-
-def checkpoint_state(directory: Path) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        state.update(load_file(file))
-    return state
 
 
 def swap_q_heads(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -87,7 +79,7 @@ def test_the_mismatch_check_tells_a_right_load_from_two_swapped_q_heads(
 
     start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16, scale=4.0)
     config = json.loads((start / "config.json").read_text())
-    state = checkpoint_state(start)
+    state = checkpoint_tensors(start)
     right = registry.publish(config, state)
     wrong = registry.publish(config, swap_q_heads(state, config))
     prompts = torch.randint(

@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 import redis
+import torch
 
 from conftest import Versions
-from helpers import REPO, wait_for
+from helpers import REPO, checkpoint_tensors, save_pretrained_qwen3, wait_for
 from vllm_helpers import TINY, Registry, Server
 
 NODE = "serve-node"
@@ -175,3 +176,37 @@ def test_follow_keeps_a_vllm_server_on_the_newest_version(
         assert follower.process.wait(60) == 0, follower.log()
     assert registry.leases(fourth) == []  # a stopped node lets go of its lease
     assert "vllm serves version" in follower.log()
+
+
+def test_vllm_serve_of_a_users_checkpoint_is_moved_on_to_each_fused_version(
+    fresh_outputs: Any, redis_server: Any, tmp_path: Path
+) -> None:
+    """``vllm serve DIR`` on a directory ``save_pretrained`` wrote (a stock Qwen3ForCausalLM
+    config), driven by ``follow --vllm-url``: each fused version of the same model, as the
+    trainer moves it on, is served exactly as a fresh engine serves that model."""
+    start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16)
+    trained = [
+        save_pretrained_qwen3(tmp_path / f"trained-{seed}", "untied-odd", torch.bfloat16, seed=seed)
+        for seed in (1, 2)
+    ]
+    fresh = fresh_outputs(1, [start, *trained])
+    assert len({json.dumps(fresh[d]) for d in (start, *trained)}) == 3  # they differ where it shows
+    config = json.loads((start / "config.json").read_text())
+    registry = Registry(redis_server.url, "serve-start", tmp_path / "registry")
+    server = Server(start, tmp_path / "serve.log")
+    server.start()
+    follower = None
+    try:
+        server.wait_ready()
+        assert server.greedy() == fresh[start]
+        follower = Follower(registry, server.url)
+        for directory in trained:
+            version = registry.publish(config, checkpoint_tensors(directory))
+            wait_for(lambda v=version: served(server) == v, 300, f"v{version} served")
+            assert server.greedy() == fresh[directory], directory.name
+            assert node_record(registry)["version"] == version
+    finally:
+        if follower is not None:
+            follower.process.terminate()
+            follower.process.wait(timeout=60)
+        server.stop()
