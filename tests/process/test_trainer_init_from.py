@@ -127,7 +127,9 @@ def test_two_fsdp_ranks_start_from_the_checkpoint(
     from weightcast.publisher.snapshots import Snapshot
 
     start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16, 150)
-    push_batches(cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=515)
+    push_batches(
+        cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES["untied-odd"]["vocab_size"]
+    )
     result = run_torchrun_trainer(cli_env, 2, "--init-from", str(start), "--steps", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     snapshot = tmp_path / "checkpoints" / "step-0"

@@ -300,4 +300,4 @@ def test_up_runs_the_loop_from_a_users_checkpoint(
     assert "train/infer KL" in result.stdout and "0 batches dead-lettered" in result.stdout
     assert re.search(r"^  v1\s+0\s", result.stdout, re.MULTILINE), result.stdout  # the start
     config = json.loads((run_dir / "checkpoints" / "step-6" / "config.json").read_text())
-    assert config["vocab_size"] == 515 and config["head_dim"] == 32
+    assert config["vocab_size"] == 1003 and config["head_dim"] == 32
