@@ -39,7 +39,7 @@ import torch
 
 from weightcast.contract.durable import fsync_path
 from weightcast.contract.keys import Keys
-from weightcast.contract.snapshots import (
+from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
     SnapshotFile,
@@ -120,7 +120,7 @@ def write_template(path: Path, s: dict, format: str) -> tuple[int, tuple[Snapsho
     path.mkdir(parents=True)
     files: tuple[SnapshotFile, ...] = ()
     if format == FORMAT_DCP_SAFETENSORS:
-        from weightcast.trainer.snapshot_storage import write_file
+        from weightcast.trainer.dcp_safetensors import write_file
 
         offsets = {n: {"saved_offsets": [0] * t.dim()} for n, t in state.items()}
         name = data_file_name(0)

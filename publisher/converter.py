@@ -35,7 +35,7 @@ from weightcast.contract.manifest import (
 )
 from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, plan_version
 from weightcast.contract.sharding import ShardKind, rank_slice
-from weightcast.contract.snapshots import CONFIG_NAME
+from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.publisher.safetensors_writer import (
     NonFiniteTensor,
@@ -45,7 +45,7 @@ from weightcast.publisher.safetensors_writer import (
     link_file,
     write_safetensors,
 )
-from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot, read_config
+from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot, read_config
 from weightcast.publisher.sources import READER_AUTO, Source, open_source
 
 HF_INDEX = "model.safetensors.index.json"

@@ -34,7 +34,7 @@ from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
-from weightcast.contract.snapshots import snapshot_step
+from weightcast.contract.snapshot_format import snapshot_step
 from weightcast.publisher.converter import (
     TMP_VERSION_PREFIX,
     ConvertOptions,
@@ -51,7 +51,7 @@ from weightcast.publisher.retention import (
     prune_quarantine_records,
     prune_snapshot_records,
 )
-from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot, complete_snapshots
+from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot, complete_snapshots
 from weightcast.publisher.watcher import SnapshotWatcher
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger

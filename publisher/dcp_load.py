@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from weightcast.contract.plan import ColumnRange, PlannedFile, Region
-from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS
+from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS
 from weightcast.contract.tensorfile import TensorSpan, safetensors_dtype
 from weightcast.publisher.safetensors_writer import Piece
-from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot
+from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
 
 class MemorySource:

@@ -24,10 +24,10 @@ from typing import Protocol
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.fusion import RowRange
 from weightcast.contract.plan import ColumnRange, PlannedFile, Region
-from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_KEY
+from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_KEY
 from weightcast.contract.tensorfile import DTYPE_SIZES, HeaderError, TensorSpan, read_header
 from weightcast.publisher.safetensors_writer import Columns, FileRange, Piece
-from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot
+from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot
 from weightcast.runtime.config import READERS
 
 READER_AUTO, READER_DCP_LOAD = READERS

@@ -17,7 +17,7 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from weightcast.contract.snapshots import SNAPSHOT_PREFIX
+from weightcast.contract.snapshot_format import SNAPSHOT_PREFIX
 
 
 class _Hint(FileSystemEventHandler):

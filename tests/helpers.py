@@ -48,7 +48,7 @@ from weightcast.contract.manifest import (
     sha256_file,
 )
 from weightcast.contract.sharding import Shard, rank_slice
-from weightcast.contract.snapshots import (
+from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
     SnapshotFile,
@@ -58,8 +58,8 @@ from weightcast.contract.snapshots import (
 from weightcast.local.produce import synthetic_batch
 from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.settings import load_config
+from weightcast.trainer.dcp_safetensors import SafetensorsStorageWriter
 from weightcast.trainer.resume import TrainState, newest_checkpoint, read_train_state
-from weightcast.trainer.snapshot_storage import SafetensorsStorageWriter
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -442,7 +442,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from weightcast.trainer.snapshot_storage import SafetensorsStorageWriter
+from weightcast.trainer.dcp_safetensors import SafetensorsStorageWriter
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))

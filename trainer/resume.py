@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from weightcast.contract.durable import fsync_path, remove_dir
-from weightcast.contract.snapshots import DCP_METADATA, snapshot_step
+from weightcast.contract.snapshot_format import DCP_METADATA, snapshot_step
 from weightcast.contract.streams import parse_stream_id
 from weightcast.runtime.config import Config
 

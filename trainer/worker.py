@@ -56,7 +56,7 @@ from weightcast.trainer.loss import (
 from weightcast.trainer.model import START_FLAVOR, flavor_args, hf_config, register_train_spec
 from weightcast.trainer.resume import TrainState, resume_dir
 from weightcast.trainer.resume_checkpoints import ResumeCheckpoints, load_newest
-from weightcast.trainer.snapshot import SnapshotWriter
+from weightcast.trainer.snapshot_writer import SnapshotWriter
 from weightcast.trainer.step_plan import StepPlan, decide, local_view
 from weightcast.trainer.telemetry import Telemetry
 

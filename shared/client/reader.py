@@ -51,7 +51,7 @@ from weightcast.contract.manifest import (
     sha256_bytes,
 )
 from weightcast.contract.sharding import RankSlice, rank_slice
-from weightcast.contract.snapshots import CONFIG_NAME
+from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import DTYPE_SIZES, TORCH_NAMES, TensorSpan
 from weightcast.contract.untrusted import json_object
 from weightcast.contract.version_info import VersionInfo

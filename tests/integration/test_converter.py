@@ -23,7 +23,7 @@ from weightcast.contract.layout import (
     fused_rank_file,
 )
 from weightcast.contract.manifest import Manifest, ManifestError, verify_files
-from weightcast.contract.snapshots import (
+from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
     SnapshotFile,
@@ -33,9 +33,9 @@ from weightcast.contract.snapshots import (
 )
 from weightcast.contract.tensorfile import read_header
 from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshots import CorruptSnapshot, Snapshot
+from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot
 from weightcast.publisher.sources import HeaderSource
-from weightcast.trainer.snapshot_storage import write_file
+from weightcast.trainer.dcp_safetensors import write_file
 
 from helpers import (
     FORMATS,

@@ -14,7 +14,7 @@ import torch
 from prometheus_client import generate_latest
 
 from weightcast.contract.keys import Keys
-from weightcast.contract.snapshots import (
+from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
     INFO_NAME,

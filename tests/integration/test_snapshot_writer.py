@@ -15,11 +15,11 @@ from torch import nn
 
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.manifest import Manifest, verify_files
-from weightcast.contract.snapshots import FORMAT_DCP_SAFETENSORS, read_complete
+from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, read_complete
 from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshots import Snapshot, complete_snapshots
-from weightcast.trainer.snapshot import SnapshotWriter
-from weightcast.trainer.snapshot_storage import NonFiniteWeight
+from weightcast.publisher.snapshot_scan import Snapshot, complete_snapshots
+from weightcast.trainer.dcp_safetensors import NonFiniteWeight
+from weightcast.trainer.snapshot_writer import SnapshotWriter
 
 from helpers import hf_config, hf_state, shape_of, tmpfs
 

@@ -10,7 +10,7 @@ import torch
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.manifest import Manifest, verify_files
-from weightcast.contract.snapshots import SnapshotInfo
+from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.local.produce import synthetic_batch
 
 from helpers import (

@@ -122,9 +122,9 @@ def test_two_fsdp_ranks_start_from_the_checkpoint(
 ) -> None:
     """Under FSDP each rank reads its own shards of the checkpoint; the step-0 snapshot the
     two ranks write together is the checkpoint, bitwise."""
-    from weightcast.contract.snapshots import read_complete
+    from weightcast.contract.snapshot_format import read_complete
     from weightcast.publisher.dcp_load import load_tensors
-    from weightcast.publisher.snapshots import Snapshot
+    from weightcast.publisher.snapshot_scan import Snapshot
 
     start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16, 150)
     push_batches(

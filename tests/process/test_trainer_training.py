@@ -11,9 +11,9 @@ import torch
 
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.keys import Keys
-from weightcast.contract.snapshots import read_complete
+from weightcast.contract.snapshot_format import read_complete
 from weightcast.publisher.dcp_load import load_tensors
-from weightcast.publisher.snapshots import Snapshot
+from weightcast.publisher.snapshot_scan import Snapshot
 from weightcast.runtime.settings import load_config
 from weightcast.trainer.job import build_job_config
 from weightcast.trainer.model import TRAIN_SPEC_NAME

@@ -8,12 +8,12 @@ import pytest
 from weightcast.client.vllm.driver import EngineError, VersionRefused, engine_error
 from weightcast.client.vllm.protocol import REFUSED
 from weightcast.contract.errors import WeightcastError
-from weightcast.contract.snapshots import IncompleteSnapshot
+from weightcast.contract.snapshot_format import IncompleteSnapshot
 from weightcast.contract.tensorfile import HeaderError
 from weightcast.local.redis_server import RedisServerError
 from weightcast.local.up import StackFailure
 from weightcast.publisher.daemon import NotLeader
-from weightcast.publisher.snapshots import CorruptSnapshot
+from weightcast.publisher.snapshot_scan import CorruptSnapshot
 
 
 @pytest.mark.parametrize(

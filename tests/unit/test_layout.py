@@ -15,9 +15,9 @@ from weightcast.contract.fusion import ModelShape, assemble, check_tp, plan_vllm
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_config
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
-from weightcast.contract.snapshots import SnapshotInfo
+from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshots import Snapshot
+from weightcast.publisher.snapshot_scan import Snapshot
 
 from helpers import hf_config, hf_state, rank_part, shape_of, write_snapshot
 from vllm_reference import (

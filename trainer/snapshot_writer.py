@@ -3,7 +3,7 @@
 Writing must not stall training: :meth:`SnapshotWriter.start` only copies the weights off
 the device into host buffers it reuses (pinned on a GPU), then a background thread writes
 them with DCP over a gloo group of its own, in the ``dcp-safetensors/1`` format
-(:mod:`weightcast.contract.snapshots`, :mod:`weightcast.trainer.snapshot_storage`). At most
+(:mod:`weightcast.contract.snapshot_format`, :mod:`weightcast.trainer.dcp_safetensors`). At most
 one write is in flight; the training loop asks :meth:`busy` (agreed across ranks) and skips a
 publish rather than queue it.
 
@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from weightcast.contract.durable import fsync_path, publish_dir, remove_dir, sweep, write_json
-from weightcast.contract.snapshots import (
+from weightcast.contract.snapshot_format import (
     CONFIG_NAME,
     FORMAT_DCP_SAFETENSORS,
     TMP_PREFIX,
@@ -41,7 +41,7 @@ from weightcast.contract.snapshots import (
     snapshot_name,
 )
 from weightcast.runtime.logs import get_logger
-from weightcast.trainer.snapshot_storage import NonFiniteWeight, SafetensorsStorageWriter
+from weightcast.trainer.dcp_safetensors import NonFiniteWeight, SafetensorsStorageWriter
 
 log = get_logger(__name__)
 

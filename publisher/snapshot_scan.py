@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from weightcast.contract.errors import WeightcastError
-from weightcast.contract.snapshots import (
+from weightcast.contract.snapshot_format import (
     CONFIG_NAME,
     IncompleteSnapshot,
     SnapshotInfo,

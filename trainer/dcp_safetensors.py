@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from weightcast.contract.errors import WeightcastError
-from weightcast.contract.snapshots import SHARDING_INFO_KEY, SnapshotFile, data_file_name
+from weightcast.contract.snapshot_format import SHARDING_INFO_KEY, SnapshotFile, data_file_name
 from weightcast.contract.tensorfile import encode_header, file_order, safetensors_dtype
 
 DCP_VERSION = "1.0"
