@@ -30,7 +30,8 @@ from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
-from weightcast.contract.errors import ConfigError
+from weightcast.contract.errors import ConfigError, LayoutError
+from weightcast.contract.fusion import ModelShape
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import HeaderError, TensorSpan, read_header
 from weightcast.contract.untrusted import json_object
@@ -85,24 +86,28 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
             raise ConfigError(
                 f"{where}: {name} is {config[name]!r}; torchtitan's Qwen3 supports only {allowed!r}"
             )
-    heads = _int(config, "num_attention_heads", where)
-    hidden = _int(config, "hidden_size", where)
-    kv_heads = _int(config, "num_key_value_heads", where, default=heads)
-    if heads % kv_heads:
-        raise ConfigError(f"{where}: num_attention_heads {heads} is not a multiple of {kv_heads}")
+    try:
+        shape = ModelShape.from_hf_config(config)  # the layout's fields, checked once
+    except LayoutError as exc:
+        raise ConfigError(f"{where}: {str(exc).removeprefix('config.json: ')}") from None
+    if shape.num_heads % shape.num_kv_heads:
+        raise ConfigError(
+            f"{where}: num_attention_heads {shape.num_heads} is not a multiple of "
+            f"num_key_value_heads {shape.num_kv_heads}"
+        )
     return Qwen3ModelArgs(
-        vocab_size=_int(config, "vocab_size", where),
-        dim=hidden,
-        n_layers=_int(config, "num_hidden_layers", where),
-        n_heads=heads,
-        n_kv_heads=kv_heads,
-        head_dim=_int(config, "head_dim", where, default=hidden // heads),
-        hidden_dim=_int(config, "intermediate_size", where),
+        vocab_size=shape.vocab_size,
+        dim=shape.hidden_size,
+        n_layers=shape.num_layers,
+        n_heads=shape.num_heads,
+        n_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        hidden_dim=shape.intermediate_size,
         norm_eps=_positive(config, "rms_norm_eps", where),
         rope_theta=_rope_theta(config, where),
-        max_seq_len=_int(config, "max_position_embeddings", where, MAX_POSITIONS),
+        max_seq_len=_max_positions(config, where),
         qk_norm=True,
-        enable_weight_tying=_bool(config, "tie_word_embeddings", where),
+        enable_weight_tying=shape.tie_word_embeddings,
         eos_id=_eos(config, where),
     )
 
@@ -258,12 +263,12 @@ def _read(file: Path) -> bytes:
         raise ConfigError(f"{file}: {exc.strerror or exc}") from None
 
 
-def _int(config: Mapping[str, Any], name: str, where: str, default: int | None = None) -> int:
-    value = config.get(name, default)
-    if value is None and default is not None:
-        value = default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+def _max_positions(config: Mapping[str, Any], where: str) -> int:
+    value = config.get("max_position_embeddings", MAX_POSITIONS)
+    if type(value) is not int or value < 1:
+        raise ConfigError(
+            f"{where}: max_position_embeddings must be a positive integer, got {value!r}"
+        )
     return value
 
 
@@ -274,13 +279,6 @@ def _positive(config: Mapping[str, Any], name: str, where: str) -> float:
     if not math.isfinite(value):
         raise ConfigError(f"{where}: {name} must be finite, got {value!r}")
     return float(value)
-
-
-def _bool(config: Mapping[str, Any], name: str, where: str) -> bool:
-    value = config.get(name, False)
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: {name} must be true or false, got {value!r}")
-    return value
 
 
 def _rope_theta(config: Mapping[str, Any], where: str) -> float:

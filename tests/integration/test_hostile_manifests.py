@@ -16,20 +16,16 @@ import copy
 import json
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 import torch
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
-from weightcast.local.redis_server import RedisServer
 
 from helpers import (
     Deployment,
@@ -43,15 +39,6 @@ from helpers import (
 TP = 2
 EXAMPLES = 200
 """Random manifests per kind of version, drawn from a fixed seed."""
-
-
-@pytest.fixture
-def deployment(
-    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
-) -> Deployment:
-    deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=TP)
-    deployment.publish()
-    return deployment
 
 
 @pytest.fixture

@@ -20,24 +20,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import MANIFEST_NAME, sha256_file
-from weightcast.local.redis_server import RedisServer
 
 from helpers import Deployment, OpenWatch, copy_version, redigest, register_version
-
-
-@pytest.fixture
-def deployment(
-    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
-) -> Deployment:
-    deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=2)
-    deployment.publish()
-    return deployment
 
 
 @pytest.fixture

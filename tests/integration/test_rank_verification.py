@@ -16,7 +16,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import redis
 import torch
 
 from weightcast.client import block_reads
@@ -24,9 +23,7 @@ from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
 from weightcast.client.verified import LOCK_NAME, NodeRecord, RecordKey
 from weightcast.contract.errors import ConfigError, WeightsError
-from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import DEFAULT_DIGEST
-from weightcast.local.redis_server import RedisServer
 
 from helpers import (
     REPO,
@@ -42,15 +39,6 @@ from vllm_reference import qkv_parallel_rank, row_parallel_rank
 
 BLOCK = 256
 TP = 2
-
-
-@pytest.fixture
-def deployment(
-    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
-) -> Deployment:
-    deployment = Deployment(client, keys, tmp_path, redis_server.url, tp=TP)
-    deployment.publish()
-    return deployment
 
 
 def redigested(
