@@ -123,6 +123,7 @@ def test_torchtitans_warnings_reach_weightcasts_log(capsys: pytest.CaptureFixtur
 
     from weightcast.runtime.logs import configure_logging
 
+    logging.captureWarnings(False)  # an in-process CLI test before may have left it on
     configure_logging("text", "INFO")
     try:
         job = JobConfig()
