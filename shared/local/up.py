@@ -193,17 +193,20 @@ class Stack:
             if state != shown:
                 print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
                 shown = state
-            final = progress.published[-1] if progress.published else None
-            if (
-                trainer_done
-                and final
-                and final["step"] == steps
-                and progress.follower_version == final["version"]
+            if trainer_done and self.outage.call(
+                lambda: self.last_step_loaded(steps, progress), "reading the latest version"
             ):
                 self.outage.call(lambda: self.count_skipped(progress), "counting skipped snapshots")
                 return progress
             if time.monotonic() - started > timeout:
                 raise StackFailure(f"not done after {timeout:.0f}s: {state}")
+
+    def last_step_loaded(self, steps: int, progress: Progress) -> bool:
+        """The latest version in Redis holds step ``steps`` and the node loaded it (read from
+        the registry: pub/sub events published while Redis was away are lost)."""
+        latest = int(self.redis.get(self.keys.latest) or 0)
+        step = self.redis.hget(self.keys.version(latest), "step") if latest else None
+        return step == str(steps).encode() and progress.follower_version == latest
 
     def count_skipped(self, progress: Progress) -> None:
         """The snapshots skipped under load, from the trainer's last heartbeat and the
