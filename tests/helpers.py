@@ -250,9 +250,16 @@ class Deployment:
     """The real publisher, driven one snapshot at a time, plus readers of its versions."""
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, root: Path, redis_url: str, tp: int = 1
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        root: Path,
+        redis_url: str,
+        tp: int = 1,
+        shape: ModelShape = SMALL_GQA,
     ) -> None:
         self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
+        self.shape = shape
         settings = {
             "redis_url": redis_url,
             "namespace": keys.namespace,
@@ -267,7 +274,7 @@ class Deployment:
     def publish(self) -> int:
         """Write the next snapshot and run one publisher pass: publish, evict, prune."""
         self.step += 1
-        write_snapshot(self.root / "checkpoints", self.step, SMALL_GQA)
+        write_snapshot(self.root / "checkpoints", self.step, self.shape)
         self.publisher.scan_once()
         return int(self.client.get(self.keys.latest))
 

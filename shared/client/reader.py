@@ -7,9 +7,10 @@
    (:mod:`weightcast.client.confine`);
 2. checks ``manifest.json`` against the registry's SHA-256 before parsing it, and that every
    tensor names a plain file the manifest lists (``hf/`` files are never opened);
-3. plans the byte ranges the caller needs (a tensor-parallel rank: its rows of fused and
-   vocab-parallel tensors, whole row-parallel tensors it then takes columns of, replicated
-   tensors; or every tensor), and the blocks that cover them;
+3. plans the byte ranges the caller needs (a tensor-parallel rank: its rows of fused,
+   row-parallel (format 3) and vocab-parallel tensors, replicated tensors; a format 1 or 2
+   version's whole row-parallel tensors it then takes columns of; or every tensor), and the
+   blocks that cover them;
 4. reads those blocks (:mod:`weightcast.client.block_reads`: contiguous parts straight into
    the returned tensors, the rest through a scratch buffer), verifying each (block digests
    of format 2, or the whole-file SHA-256 of format 1) unless the node's record says a
@@ -167,10 +168,11 @@ class VersionReader:
     ) -> dict[str, torch.Tensor]:
         """What vLLM's rank ``tp_rank`` of ``tp_size`` holds of each tensor, verified.
 
-        Only the blocks covering that rank's byte ranges are read and verified (a whole
-        row-parallel tensor, whose columns are the rank's part; per-rank files: that rank's
-        file). Raises :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the
-        version was not fused for, :class:`WeightsError` for anything wrong on disk.
+        Only the blocks covering that rank's byte ranges are read and verified (of a format 1
+        or 2 version, a whole row-parallel tensor, whose columns are the rank's part;
+        per-rank files: that rank's file). Raises
+        :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version was not
+        fused for, :class:`WeightsError` for anything wrong on disk.
         """
         return self._read(info, lambda manifest: rank_wants(manifest, tp_rank, tp_size))
 

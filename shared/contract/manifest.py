@@ -3,7 +3,7 @@
 It lists every file with its size and digests and every tensor with its shape, dtype, file
 and how vLLM shards it. Readers verify what they read against it before using any of it.
 
-Digests. Format 2 (:data:`MANIFEST_FORMAT`) splits each file into blocks of
+Digests. Formats 2 and 3 (:data:`MANIFEST_FORMAT`) split each file into blocks of
 ``block_bytes`` (:data:`BLOCK_BYTES`, 4 MiB; the last block may be shorter) and lists one
 digest per block (:class:`BlockDigests`), so that a writer hashes blocks in parallel with
 its writes and a reader verifies exactly the blocks it reads (a tensor-parallel rank reads a
@@ -32,11 +32,13 @@ from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED
 from weightcast.contract.sharding import Shard, ShardKind
 from weightcast.contract.tensorfile import TORCH_NAMES, nbytes, safetensors_dtype
-from weightcast.contract.untrusted import Fields, json_object
+from weightcast.contract.untrusted import Fields, json_object, shown
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "weightcast.manifest/2"
-MANIFEST_FORMATS = ("weightcast.manifest/1", MANIFEST_FORMAT)
+MANIFEST_FORMAT = "weightcast.manifest/3"
+MANIFEST_FORMATS = ("weightcast.manifest/1", "weightcast.manifest/2", MANIFEST_FORMAT)
+"""The formats this weightcast reads. Format 3 stores row-parallel tensors per rank
+(``row_parallel_ranks``); a node older than it refuses a format 3 version."""
 BLOCK_BYTES = 4 * 1024 * 1024
 DEFAULT_DIGEST = "xxh3-128"
 DIGESTS = ("xxh3-128", "blake3")
@@ -218,7 +220,10 @@ class Manifest:
         :class:`ManifestError` naming the field."""
         raw = json_object(text, MANIFEST_NAME, ManifestError)
         if raw.get("format") not in MANIFEST_FORMATS:
-            raise ManifestError(f"unknown manifest format {raw.get('format')!r}")
+            raise ManifestError(
+                f"manifest format {shown(raw.get('format'))} is not one this weightcast reads "
+                f"({', '.join(MANIFEST_FORMATS)}): upgrade weightcast on this node"
+            )
         top = Fields(raw, "", ManifestError, _names(cls))
         files = [_file_entry(f, i) for i, f in enumerate(top.items("files"))]
         by_name = {f.name: f for f in files}
