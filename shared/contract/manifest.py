@@ -28,6 +28,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from weightcast.contract.delta import Delta, delta_from_json
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED
 from weightcast.contract.sharding import Shard, ShardKind
@@ -202,6 +203,8 @@ class Manifest:
     hf_dir: str | None = None
     """Set when the version also holds the plain HF layout in this subdirectory (``hf``)."""
     format: str = MANIFEST_FORMAT
+    delta: Delta | None = None
+    """The delta from an earlier version written beside this one (format 3), if any."""
 
     @property
     def total_bytes(self) -> int:
@@ -234,7 +237,8 @@ class Manifest:
             tp=top.integer("tp", minimum=1),
             per_rank_files=top.flag("per_rank_files", False),
         )
-        return cls(
+        delta = top.value("delta", None)
+        manifest = cls(
             version=top.integer("version"),
             step=top.integer("step"),
             run_id=top.text("run_id"),
@@ -249,7 +253,11 @@ class Manifest:
             per_rank_files=context.per_rank_files,
             hf_dir=top.optional_text("hf_dir"),
             format=top.text("format"),
+            delta=None if delta is None else delta_from_json(delta, ManifestError),
         )
+        if manifest.delta is not None:
+            _check_delta(manifest.delta, manifest.version, by_name)
+        return manifest
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
@@ -263,6 +271,26 @@ class _Context:
     layout: str
     tp: int
     per_rank_files: bool
+
+
+def _check_delta(delta: Delta, version: int, files: dict[str, FileEntry]) -> None:
+    """The delta's file is listed with its size, and it has a frame length for every block
+    of each weights file it covers."""
+    if delta.base_version >= version:
+        raise ManifestError(f"delta.base_version {delta.base_version} is not before {version}")
+    listed = files.get(delta.file)
+    if listed is None or listed.bytes != delta.bytes:
+        raise ManifestError(
+            f"delta.file {delta.file!r} is not listed with the {delta.bytes} bytes of its frames"
+        )
+    for index, entry in enumerate(delta.files):
+        target = files.get(entry.name)
+        blocks = None if target is None else target.blocks
+        if blocks is None or len(entry.lengths) != len(blocks.digests):
+            raise ManifestError(
+                f"delta.files[{index}] ({entry.name}) is not a listed file with block digests "
+                f"and one frame length per block"
+            )
 
 
 def _names(cls: type) -> list[str]:
