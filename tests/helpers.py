@@ -120,6 +120,14 @@ def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str,
     return state
 
 
+def drift(state: dict[str, torch.Tensor], step: int, every: int = 50) -> None:
+    """Move one bf16 value in ``every`` of each tensor to its neighbour, in place: what a
+    small RL step does to a bf16 snapshot (most bytes stay; a delta is small)."""
+    for tensor in state.values():
+        flat = tensor.view(-1).view(torch.int16)
+        flat[step % every :: every] += 1
+
+
 def hf_config(shape: ModelShape) -> dict:
     return {
         "num_hidden_layers": shape.num_layers,
