@@ -228,12 +228,12 @@ class VersionReader:
                 stats.reason = delta_refusal(self.base, manifest, part)
                 if not stats.reason:
                     try:
-                        tensors = self._read_delta(directory, manifest, by_file, stats)
+                        tensors, rebuilt = self._read_delta(directory, manifest, by_file, stats)
                     except DeltaError as exc:
                         stats.reason = f"the delta failed: {exc}"
                     else:
                         self.base = HeldBase(
-                            info.version, info.manifest_sha256, manifest, part, self._rebuilt
+                            info.version, info.manifest_sha256, manifest, part, rebuilt
                         )
                         stats.via = "delta"
                         self.stats = stats
@@ -256,13 +256,13 @@ class VersionReader:
         manifest: Manifest,
         by_file: dict[str, list[Want]],
         stats: ReadStats,
-    ) -> dict[str, torch.Tensor]:
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Blocks]]:
         """The wanted tensors rebuilt from the base's blocks and the delta's frames for them,
-        every block verified (:func:`~weightcast.client.delta_reads.rebuild`); the rebuilt
-        blocks are left in ``self._rebuilt`` for the caller to keep."""
+        every block verified (:func:`~weightcast.client.delta_reads.rebuild`), and the
+        rebuilt blocks (the next base)."""
         assert self.base is not None and manifest.delta is not None
         delta = manifest.delta
-        self._rebuilt: dict[str, Blocks] = {}
+        rebuilt: dict[str, Blocks] = {}
         tensors: dict[str, torch.Tensor] = {}
         with directory.open(delta.file, _file_entry(manifest, delta.file).bytes) as frames:
             for name, file_wants in by_file.items():
@@ -275,8 +275,8 @@ class VersionReader:
                 stats.bytes_read += read
                 stats.blocks_hashed += len(blocks)
                 tensors |= _tensors_of(blocks, entry, file_wants, f"{directory.label}/{name}")
-                self._rebuilt[name] = blocks
-        return tensors
+                rebuilt[name] = blocks
+        return tensors, rebuilt
 
     def _open(self, info: VersionInfo) -> VersionDir:
         return VersionDir(self.root, registered_parts(info.path, self.root, self.root_as_given))
