@@ -97,13 +97,13 @@ def test_every_rank_holds_exactly_what_vllm_loads(
             assert update["unchanged"] == [], (result["rank"], key)  # dummy -> real weights
         # Stock load_weights takes the fused names, right only at tp=1. At tp > 1 the
         # row-parallel tensors ([tp * rows, columns / tp], format 3) trip RowParallelLinear's
-        # shape assertion, after the fused tensors before them were loaded wrong.
+        # loader (its shape assertion on rank 0, a narrow past the columns on the others),
+        # after the fused tensors before them were loaded wrong.
         stock = result["stock_fused"]
         if tp == 1:
             assert stock["raised"] is None and stock["differing"] == []
         else:
-            assert (stock["raised"] or "").startswith("AssertionError"), stock
-            assert stock["differing"], stock
+            assert stock["raised"] is not None and stock["differing"], stock
         # A version that some rank must refuse changes nothing on any rank; only the last
         # rank raises, with every rank's reason.
         last = result["rank"] == tp - 1
