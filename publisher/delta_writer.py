@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ log = get_logger("publisher")
 _VERSION_DIR = re.compile(r"v([0-9]+)")
 WORKERS = 2
 """Blocks encoded at once."""
+_local = threading.local()
+"""Each worker thread's zstd compressor (one is not shared between threads)."""
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,11 @@ def _frame(new_path: Path, old_path: Path, new: FileEntry, old: FileEntry, index
     if new.blocks.digests[index] == old.blocks.digests[index]:
         return b""
     start, stop = new.blocks.span(index, new.bytes)
-    return encode_block(_read(new_path, start, stop), _read(old_path, start, stop), compressor())
+    if not hasattr(_local, "compressor"):
+        _local.compressor = compressor()
+    return encode_block(
+        _read(new_path, start, stop), _read(old_path, start, stop), _local.compressor
+    )
 
 
 def _read(path: Path, start: int, stop: int) -> bytes:

@@ -95,8 +95,10 @@ def rebuild(
     """Version N's blocks of one file from the ``held`` blocks of the base and the delta's
     frames for them; each verified against N's digest. Returns them and the delta bytes read.
 
-    :class:`DeltaError` for a file the delta does not cover, blocks cut otherwise than in the
-    base, a frame that does not decode, or a rebuilt block whose digest is not N's."""
+    The blocks are rebuilt in place (no second copy of the part): once this raises, the held
+    blocks are no longer the base, and the caller must drop them. :class:`DeltaError` for a
+    file the delta does not cover, blocks cut otherwise than in the base, a frame that does
+    not decode, or a rebuilt block whose digest is not N's."""
     if entry.blocks is None or base_entry.blocks is None:
         raise DeltaError(f"{entry.name} has no block digests")
     if entry.blocks.starts != base_entry.blocks.starts:
@@ -112,7 +114,7 @@ def rebuild(
         if length:
             frame = delta_file.read_at(offset, length)
             read += length
-            block = apply_block(frame, held[index], unzstd)
+            block = apply_block(frame, held[index], unzstd, in_place=True)
         else:
             block = held[index]
         if digest_bytes(entry.blocks.algorithm, block.data) != entry.blocks.digests[index]:

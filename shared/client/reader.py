@@ -231,6 +231,7 @@ class VersionReader:
                         tensors, rebuilt = self._read_delta(directory, manifest, by_file, stats)
                     except DeltaError as exc:
                         stats.reason = f"the delta failed: {exc}"
+                        self.base = None  # rebuilt in place, part way: no longer a base
                     else:
                         self.base = HeldBase(
                             info.version, info.manifest_sha256, manifest, part, rebuilt

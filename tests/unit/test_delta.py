@@ -8,6 +8,7 @@ import json
 import os
 import re
 
+import numpy as np
 import pytest
 
 from weightcast.contract.delta import (
@@ -32,12 +33,20 @@ def nearby(base: bytes, every: int) -> bytes:
     return bytes(changed)
 
 
+def block(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, np.uint8).copy()
+
+
+@pytest.mark.parametrize("size", [1 << 16, 4099])  # a multiple of 8 or not
 @pytest.mark.parametrize("every", [1, 7, 997, 10**9])
-def test_a_block_is_rebuilt_bitwise_from_its_base_and_frame(every: int) -> None:
-    base = os.urandom(1 << 16)
+def test_a_block_is_rebuilt_bitwise_from_its_base_and_frame(every: int, size: int) -> None:
+    base = os.urandom(size)
     new = nearby(base, every)
     frame = encode_block(new, base, compressor())
-    assert apply_block(frame, base, decompressor()).tobytes() == new
+    assert apply_block(frame, block(base), decompressor()).tobytes() == new
+    held = block(base)
+    assert apply_block(frame, held, decompressor(), in_place=True) is held
+    assert held.tobytes() == new
     if every > 100:
         assert len(frame) < len(new) / 20  # mostly zero bytes compress well
 
@@ -54,13 +63,15 @@ def test_a_damaged_frame_or_a_base_of_another_size_is_refused() -> None:
     base = os.urandom(4096)
     frame = bytearray(encode_block(nearby(base, 5), base, compressor()))
     frame[len(frame) // 2] ^= 0xFF
+    held = block(base)
     with pytest.raises(DeltaError, match="does not decode"):
-        apply_block(bytes(frame), base, decompressor())
+        apply_block(bytes(frame), held, decompressor(), in_place=True)
+    assert held.tobytes() == base  # refused before anything was written
     good = encode_block(nearby(base, 5), base, compressor())
     with pytest.raises(DeltaError):
-        apply_block(good, base[:4000], decompressor())
+        apply_block(good, block(base[:4000]), decompressor())
     with pytest.raises(DeltaError, match="does not decode"):
-        apply_block(b"not zstd", base, decompressor())
+        apply_block(b"not zstd", block(base), decompressor())
 
 
 def test_frames_lie_one_after_another_in_file_and_block_order() -> None:
