@@ -47,6 +47,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.protocol import REFUSED, InitInfo, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
@@ -79,6 +80,7 @@ class WeightcastWeightTransferEngine(
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.defaults = WeightcastInitInfo()
+        self.copier = InPlaceCopier()  # its pinned staging is allocated once, on first use
         self.last_report: dict[str, Any] = {}
         """What the last update did (or why it failed), for :func:`report`."""
 
@@ -241,14 +243,9 @@ class WeightcastWeightTransferEngine(
                 return False
         return True
 
-    @torch.no_grad()
     def _apply_in_place(self, staged: StagedVersion) -> None:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for part in staged.parts:
-            param = params[part.name]
-            rows = part.tensor.shape[0]
-            param.data[:rows].copy_(part.tensor)
-            param.data[rows:].zero_()  # vocabulary padding rows: zero, as vLLM loads them
+        params = {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+        self.copier.copy(params, ((part.name, part.tensor) for part in staged.parts))
 
     def _apply_layerwise(self, staged: StagedVersion, rank: int, tp: int) -> None:
         from vllm.model_executor.model_loader.reload import (
