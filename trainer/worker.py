@@ -370,6 +370,10 @@ class Trainer(ForgeEngine):
         really sustains.
         """
         start = time.perf_counter()
+        # ForgeEngine turned Python's automatic GC off (it stalls ranks at random); its
+        # handler collects every ``training.gc_freq`` steps, as torchtitan's own loop does,
+        # so cycles holding pinned or device memory are freed on long runs.
+        self.gc_handler.run(self.train_state.step + 1)
         items, self.buffer = self.buffer[: plan.take], self.buffer[plan.take :]
         self.batches.begin_step([item.entry_id for item in items])
         on_policy = [self._on_policy(item.batch) for item in items]
