@@ -491,6 +491,7 @@ class Trainer(ForgeEngine):
             self.optimizers.zero_grad()
             return StepOutcome(metrics, False, finite, loss_failed)
         metrics["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]  # this step's rate
+        self.snapshots.before_weights_change()  # a snapshot's copy may still read them
         self.optimizers.step()
         self.lr_schedulers.step()
         return StepOutcome(metrics, True, finite, loss_failed)
