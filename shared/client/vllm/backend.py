@@ -169,7 +169,11 @@ class WeightcastWeightTransferEngine(
 
     def _checkpoint_params(self) -> dict[str, torch.Tensor]:
         """Every loadable parameter as vLLM built it, before any post-processing: meta
-        tensors with this rank's checkpoint-format shape and dtype, by qualified name."""
+        tensors with this rank's checkpoint-format shape and dtype, by qualified name.
+
+        vLLM's layerwise metadata leaves out every ``bias`` (0.32 and 0.33: a bias is built
+        after ``create_weights``, never moved to meta nor post-processed), so a module's
+        live ``bias`` parameter stands for its checkpoint format."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         found: dict[str, torch.Tensor] = {}
@@ -177,7 +181,11 @@ class WeightcastWeightTransferEngine(
             info = LAYERWISE_INFO.get(module)
             if info is None:
                 continue
-            for name, meta in info.restore_metadata[0].items():
+            recorded = dict(info.restore_metadata[0])
+            bias = module._parameters.get("bias")
+            if bias is not None and "bias" not in recorded:
+                recorded["bias"] = bias.detach().to("meta")
+            for name, meta in recorded.items():
                 found[f"{module_name}.{name}" if module_name else name] = meta
         if getattr(self.model_config.hf_config, "tie_word_embeddings", False):
             found.pop("lm_head.weight", None)  # the embedding's own parameter
