@@ -672,8 +672,18 @@ def read_figures(
     rows: list[dict[str, float | torch.Tensor]], device: torch.device
 ) -> list[dict[str, float]]:
     """``rows`` with every 0-dim tensor read as a float, all in one device-to-host copy:
-    each ``.item()`` would wait for the device on its own."""
-    tensors = [v for row in rows for v in row.values() if isinstance(v, torch.Tensor)]
+    each ``.item()`` would wait for the device on its own. A tensor of more than one value
+    (a user's loss metric) is a :class:`ValueError` naming it."""
+    tensors = []
+    for row in rows:
+        for name, value in row.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"loss metric {name!r} is a tensor of {value.numel()} values; "
+                        "return a float or a tensor of one value"
+                    )
+                tensors.append(value)
     host = iter(
         torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors]).tolist()
         if tensors
