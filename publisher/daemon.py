@@ -80,7 +80,7 @@ class Publisher:
         except ManifestError as exc:
             raise ConfigError(f"publisher.digest={cfg.digest}: {exc}") from None
         self.options = ConvertOptions(
-            cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader, cfg.digest
+            cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader, cfg.digest, cfg.expert_parallel
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
@@ -158,6 +158,7 @@ class Publisher:
             tp=self.cfg.tp,
             layout=self.cfg.layout,
             per_rank_files=self.cfg.per_rank_files,
+            expert_parallel=self.cfg.expert_parallel,
             digest=self.cfg.digest,
             keep=self.cfg.keep,
             holder=self.lock.holder,

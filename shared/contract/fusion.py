@@ -36,6 +36,8 @@ _FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_up_proj\.(weight|
 _FUSED_PART = re.compile(r"\.(k_proj|v_proj|up_proj)\.(weight|bias)$")
 _ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_DENSE_MLP = ("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,14 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    num_experts: int = 0
+    """Routed experts of each sparse layer (0: a dense Qwen3)."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP in a mixture of experts."""
+    norm_topk_prob: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
@@ -61,8 +71,9 @@ class ModelShape:
         """
         heads = _config_number(config, "num_attention_heads")
         hidden = _config_number(config, "hidden_size")
+        layers = _config_number(config, "num_hidden_layers")
         return cls(
-            num_layers=_config_number(config, "num_hidden_layers"),
+            num_layers=layers,
             hidden_size=hidden,
             intermediate_size=_config_number(config, "intermediate_size"),
             num_heads=heads,
@@ -71,6 +82,19 @@ class ModelShape:
             vocab_size=_config_number(config, "vocab_size"),
             tie_word_embeddings=_config_flag(config, "tie_word_embeddings"),
             attention_bias=_config_flag(config, "attention_bias"),
+            **_moe_fields(config, layers),
+        )
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer`` has routed experts (vLLM's and transformers' rule)."""
+        return (
+            self.moe
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     @property
@@ -94,6 +118,42 @@ def _config_number(config: Mapping[str, Any], name: str, default: int | None = N
     return value
 
 
+def _moe_fields(config: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE ``config.json`` (none for a dense one).
+
+    Qwen's own configs name the expert count ``num_experts``; transformers 5 writes
+    ``num_local_experts``. Either (both only when they agree) makes the config a MoE one.
+    """
+    named = {key: config[key] for key in ("num_experts", "num_local_experts") if key in config}
+    if not named and config.get("model_type") != "qwen3_moe":
+        return {}
+    if len(set(map(repr, named.values()))) > 1:
+        raise LayoutError(f"config.json: num_experts and num_local_experts disagree ({named})")
+    experts = _config_number(named, next(iter(named), "num_experts"))
+    per_token = _config_number(config, "num_experts_per_tok")
+    if per_token > experts:
+        raise LayoutError(
+            f"config.json: num_experts_per_tok {per_token} exceeds the {experts} experts"
+        )
+    dense = config.get("mlp_only_layers") or []
+    if (
+        not isinstance(dense, list)
+        or any(type(n) is not int or not 0 <= n < layers for n in dense)
+        or len(set(dense)) != len(dense)
+    ):
+        raise LayoutError(
+            f"config.json: mlp_only_layers is {dense!r}, not distinct layer numbers below {layers}"
+        )
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": per_token,
+        "moe_intermediate_size": _config_number(config, "moe_intermediate_size"),
+        "decoder_sparse_step": _config_number(config, "decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(sorted(dense)),
+        "norm_topk_prob": _config_flag(config, "norm_topk_prob"),
+    }
+
+
 def _config_flag(config: Mapping[str, Any], name: str) -> bool:
     value = config.get(name)
     if value is None:
@@ -114,6 +174,15 @@ class RowRange:
     @property
     def rows(self) -> int:
         return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class ColumnRange:
+    """Columns ``[start, stop)`` of every row of the 2-D source tensor ``source``."""
+
+    source: str
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)
@@ -170,8 +239,21 @@ def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
     m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
     if m is None:
         return None
-    if int(m.group(1)) >= shape.num_layers:
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= shape.num_layers:
         raise LayoutError(f"{name}: the config has only {shape.num_layers} layers")
+    if shape.sparse(layer):
+        if rest.startswith(_DENSE_MLP):
+            raise LayoutError(f"{name}: layer {layer} has experts, not a dense MLP")
+        if rest == "mlp.gate.weight":
+            return (shape.num_experts, h)
+        if e := _EXPERT.match(rest):
+            if int(e.group(1)) >= shape.num_experts:
+                raise LayoutError(f"{name}: the config has only {shape.num_experts} experts")
+            moe = shape.moe_intermediate_size
+            return (h, moe) if e.group(2) == "down_proj" else (moe, h)
+    elif rest.startswith(("mlp.gate.", "mlp.experts.")):
+        raise LayoutError(f"{name}: layer {layer} is dense (no experts)")
     known = {
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
@@ -188,7 +270,7 @@ def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
-    return known.get(m.group(2))
+    return known.get(rest)
 
 
 def check_shapes(shapes: Mapping[str, Sequence[int]], shape: ModelShape) -> None:
@@ -255,7 +337,7 @@ def plan_vllm_fused(
         if m := _QKV.match(name):
             prefix, kind = m.groups()
             q, k, v = (f"{prefix}.{p}_proj.{kind}" for p in "qkv")
-            _expect_rows(source_rows, {q: shape.q_rows, k: shape.kv_rows, v: shape.kv_rows})
+            expect_rows(source_rows, {q: shape.q_rows, k: shape.kv_rows, v: shape.kv_rows})
             q_per_rank = shape.q_rows // tp
             kv_per_rank = kv_head_of_rank(shape, tp, 0)[1] * shape.head_dim
             planned.append(
@@ -269,7 +351,7 @@ def plan_vllm_fused(
         elif m := _GATE.match(name):
             prefix, kind = m.groups()
             gate, up = f"{prefix}.gate_proj.{kind}", f"{prefix}.up_proj.{kind}"
-            _expect_rows(source_rows, {gate: shape.intermediate_size, up: shape.intermediate_size})
+            expect_rows(source_rows, {gate: shape.intermediate_size, up: shape.intermediate_size})
             per_rank = shape.intermediate_size // tp
             planned.append(
                 FusedTensor(
@@ -285,7 +367,7 @@ def plan_vllm_fused(
         if _FUSED_PART.search(name):
             raise LayoutError(f"{name} has no partner to fuse with (q_proj / gate_proj missing)")
         planned.append(FusedTensor(name, (RowRange(name, 0, rows),), _unfused_shard(name)))
-    return sorted(planned, key=lambda t: _natural_key(t.name))
+    return sorted(planned, key=lambda t: natural_key(t.name))
 
 
 def assemble(tensor: FusedTensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -353,7 +435,8 @@ def _unfused_shard(name: str) -> Shard:
     return Shard(ShardKind.REPLICATED)
 
 
-def _expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) -> None:
+def expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) -> None:
+    """Raise :class:`LayoutError` unless every source is there with the rows it must have."""
     for name, rows in expected.items():
         if name not in source_rows:
             raise LayoutError(f"{name} is missing from the snapshot")
@@ -361,5 +444,6 @@ def _expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) ->
             raise LayoutError(f"{name} has {source_rows[name]} rows; the config implies {rows}")
 
 
-def _natural_key(name: str) -> list[Any]:
+def natural_key(name: str) -> list[Any]:
+    """Sort key putting ``layers.2`` before ``layers.10``."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -158,9 +158,21 @@ class WeightcastWeightTransferEngine(
         if self.parallel_config.pipeline_parallel_size > 1:
             raise WeightsError("the weightcast backend does not support pipeline parallelism")
         source = resolve(info, self.defaults, load_config())
-        staged = stage(source, info.version, rank, tp, self._shape())
+        staged = stage(source, info.version, rank, tp, self._shape(), self._ep(tp))
         self._check_fits(staged, rank, tp)
         return staged
+
+    def _ep(self, tp: int) -> int:
+        """The engine's expert parallelism: over every tp rank, or none."""
+        parallel = self.parallel_config
+        if not parallel.enable_expert_parallel:
+            return 1
+        if parallel.data_parallel_size > 1:
+            raise WeightsError(
+                "the weightcast backend does not support expert parallelism across "
+                "data-parallel ranks"
+            )
+        return tp
 
     def _shape(self) -> ModelShape:
         return ModelShape.from_hf_config(self.model_config.hf_config.to_dict())

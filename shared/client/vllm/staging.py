@@ -49,9 +49,10 @@ class StagedVersion:
 
 
 def stage(
-    source: Source, version: int, rank: int, tp: int, engine_shape: ModelShape
+    source: Source, version: int, rank: int, tp: int, engine_shape: ModelShape, ep: int = 1
 ) -> StagedVersion:
-    """Read rank ``rank``'s part of ``version`` for an engine of ``engine_shape`` at ``tp``.
+    """Read rank ``rank``'s part of ``version`` for an engine of ``engine_shape`` at ``tp``
+    (and expert parallelism ``ep``: 1, or ``tp`` with ``enable_expert_parallel``).
 
     Raises :class:`WeightsError` (or :class:`VersionGone`) for a version this engine must not
     load: another model, fused for another tp, a file that fails its digest.
@@ -89,7 +90,7 @@ def stage(
                 try:
                     parts = [
                         RankPart(name, tensor, shards[name])
-                        for name, tensor in client.rank_tensors(info, rank, tp).items()
+                        for name, tensor in client.rank_tensors(info, rank, tp, ep).items()
                     ]
                 except LayoutError as exc:
                     raise WeightsError(f"version {version}: {exc}") from None
