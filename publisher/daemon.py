@@ -230,8 +230,10 @@ class Publisher:
             self.quarantine(snapshot.path, snapshot.info.snapshot_id, str(exc), snapshot.step)
             return
         except LayoutError as exc:
+            placement = " with publisher.expert_parallel" if self.cfg.expert_parallel else ""
             raise ConfigError(
-                f"publisher.tp={self.cfg.tp} cannot serve the model of {snapshot.path}: {exc}"
+                f"publisher.tp={self.cfg.tp}{placement} cannot serve the model of "
+                f"{snapshot.path}: {exc}"
             ) from None
         outcome, lag = self.register(version, snapshot, published)
         if outcome != REGISTERED:

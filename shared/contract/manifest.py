@@ -327,8 +327,9 @@ def _tensor_entry(
     if (shard.kind == ShardKind.HF) != (context.layout == LAYOUT_HF):
         raise ManifestError(f"{where}.shard is {shard.kind}, in a {context.layout} version")
     if shard.kind == ShardKind.EXPERTS and shard.ep != context.ep:
+        placement = "that names no ep" if context.ep is None else f"for ep={context.ep}"
         raise ManifestError(
-            f"{where}.shard is laid out for ep={shard.ep}, in a version for ep={context.ep}"
+            f"{where}.shard is laid out for ep={shard.ep}, in a version {placement}"
         )
     if context.per_rank_files != (entry.rank is not None) or (entry.rank or 0) >= context.tp:
         raise ManifestError(

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from weightcast.client.vllm.placement import hf_tensors, packed_name
+from weightcast.client.vllm.staging import RankPart
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.experts import FUSED_MOE, check_placement, local_experts
 from weightcast.contract.fusion import ModelShape, check_shapes, expected_shape
@@ -219,3 +221,35 @@ def test_fused_moe_config_names_the_marker_architecture(tmp_path: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["WeightcastFusedQwen3ForCausalLM"]
     assert config["model_type"] == "qwen3_moe"
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, False), (4, False), (2, True), (4, True)])
+def test_loaders_fed_a_ranks_placed_experts_hold_its_block(
+    tmp_path: Path, tp: int, ep: bool
+) -> None:
+    """``placement.hf_tensors`` turns a rank's block back into HF expert tensors placed where
+    ``FusedMoE.weight_loader`` narrows (``vllm_reference.fused_moe_rank``): the loader then
+    holds exactly the block; experts of other ranks are not handed over at all."""
+    shape = moe_shape()
+    path = publish(tmp_path, shape, tp, ep)
+    fused = load_file(str(path / FUSED_WEIGHTS_FILE))
+    entries = {t.name: t for t in Manifest.read(path).tensors}
+    for rank in range(tp):
+        parts = []
+        for which in ("w13_weight", "w2_weight"):
+            name = f"model.layers.2.{FUSED_MOE}.{which}"
+            part = rank_slice(entries[name].shard, entries[name].shape, rank, tp)
+            assert part is not None
+            block = fused[name][part.start : part.stop]
+            parts.append(RankPart(name, block, entries[name].shard))
+        placed = dict(hf_tensors(parts, shape, rank, tp))
+        mine = list(local_experts(shape, tp if ep else 1, rank))
+        assert {int(n.split(".")[5]) for n in placed} == set(mine)
+        blank = torch.zeros(1, 1)
+        tensors = [
+            [placed.get(f"model.layers.2.mlp.experts.{e}.{x}_proj.weight", blank) for e in range(4)]
+            for x in ("gate", "up", "down")
+        ]
+        w13, w2 = fused_moe_rank(*tensors, tp, rank, ep)
+        assert torch.equal(w13, parts[0].tensor) and torch.equal(w2, parts[1].tensor), rank
+        assert {packed_name(n) for n in placed} == {p.name for p in parts}

@@ -32,6 +32,10 @@ Two vLLM 0.32 bugs shape this:
 * A layerwise reload post-processes a tied parameter only in its first module; on CPU the
   tied ``lm_head`` keeps a packed copy of the old embedding, so the logits would stay the old
   version's. The backend re-runs the post-processing of every such alias module.
+* On CPU, a MoE layer's first post-processing prepacks ``w13_weight`` / ``w2_weight`` for
+  its kernel; a reload copies the new, unpacked weights into that storage and never packs
+  them again (stock ``load_weights`` under a layerwise reload serves garbage from every MoE
+  layer). The backend re-runs the prepacking of every expert module it loaded.
 """
 
 from __future__ import annotations
@@ -280,6 +284,8 @@ class WeightcastWeightTransferEngine(
         missing = sorted(set(self._checkpoint_params()) - set(loaded or ()))
         if missing:
             raise RuntimeError(f"vLLM's loaders did not load {', '.join(missing[:4])}")
+        for module in _cpu_prepacked_experts(self.model):
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
     def _give_up(self, message: str, verdicts: list[str | None]) -> bool:
         """True when any rank failed. Only the last rank raises (see the module docstring)."""
@@ -344,6 +350,21 @@ def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             if first is not module and module not in tied and hasattr(module, "quant_method"):
                 tied.append(module)
     return tied
+
+
+def _cpu_prepacked_experts(model: torch.nn.Module) -> list[Any]:
+    """MoE expert modules whose kernel keeps a CPU-prepacked copy of the weights (see the
+    module docstring); none off CPU, where a reload's in-place copy is what the kernel reads."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, RoutedExperts) and module.quant_method.moe_kernel is not None
+    ]
 
 
 def report(worker: Any) -> dict[str, Any]:
