@@ -77,15 +77,7 @@ SHAPES = {
 
 
 def hf_config(s: dict) -> dict:
-    moe = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_experts": s["experts"],
-        "num_experts_per_tok": s["experts_per_tok"],
-        "moe_intermediate_size": s["moe_inter"],
-        "norm_topk_prob": True,
-    }
-    return (moe if "experts" in s else {}) | {
+    config = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "num_hidden_layers": s["layers"],
@@ -97,6 +89,16 @@ def hf_config(s: dict) -> dict:
         "vocab_size": s["vocab"],
         "tie_word_embeddings": s.get("tied", True),
         "torch_dtype": "bfloat16",
+    }
+    if "experts" not in s:
+        return config
+    return config | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["experts_per_tok"],
+        "moe_intermediate_size": s["moe_inter"],
+        "norm_topk_prob": True,
     }
 
 
