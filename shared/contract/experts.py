@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ColumnRange, ModelShape, RowRange, expect_rows
+from weightcast.contract.fusion import ColumnRange, ModelShape, Region, RowRange, expect_rows
 from weightcast.contract.sharding import Shard
 
 W13 = "w13_weight"
@@ -40,8 +40,6 @@ FUSED_MOE = "mlp.experts.routed_experts"
 _EXPERT_SOURCE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.")
 _FUSED = re.compile(rf"^(model\.layers\.(\d+))\.{re.escape(FUSED_MOE)}\.({W13}|{W2})$")
 
-Piece = RowRange | ColumnRange
-
 
 @dataclass(frozen=True)
 class ExpertTensor:
@@ -50,7 +48,7 @@ class ExpertTensor:
 
     name: str
     shape: tuple[int, int, int]
-    pieces: tuple[Piece, ...]
+    pieces: tuple[Region, ...]
     shard: Shard
 
 
@@ -119,8 +117,8 @@ def plan_experts(
         if not shape.sparse(layer):
             continue
         prefix = f"model.layers.{layer}"
-        w13: list[Piece] = []
-        w2: list[Piece] = []
+        w13: list[Region] = []
+        w2: list[Region] = []
         for rank in range(tp):
             lo, hi = intermediate_of_rank(shape, ep, tp, rank)
             for expert in local_experts(shape, ep, rank):
@@ -129,7 +127,7 @@ def plan_experts(
                 )
                 expect_rows(source_rows, {gate: size, up: size, down: h})
                 w13 += [RowRange(gate, lo, hi), RowRange(up, lo, hi)]
-                w2.append(RowRange(down, 0, h) if ep > 1 else ColumnRange(down, lo, hi))
+                w2.append(RowRange(down, 0, h) if ep > 1 else ColumnRange(down, lo, hi, h))
         shard = Shard.expert_block(tp, ep, per_rank)
         rows = tp * per_rank
         planned += [

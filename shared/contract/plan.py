@@ -14,6 +14,7 @@ from weightcast.contract.fusion import (
     ColumnRange,
     FusedTensor,
     ModelShape,
+    Region,
     RowRange,
     natural_key,
     plan_vllm_fused,
@@ -33,9 +34,6 @@ from weightcast.contract.tensorfile import nbytes
 
 HF_SHARD_BYTES = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
-
-
-Region = RowRange | ColumnRange
 
 
 @dataclass(frozen=True)
@@ -146,9 +144,10 @@ def plan_version(
 
 
 def _fused_whole(p: FusedTensor, sources: Mapping[str, tuple[str, Sequence[int]]]) -> PlannedTensor:
-    first = tuple(sources[p.pieces[0].source][1])
+    first, piece = tuple(sources[p.pieces[0].source][1]), p.pieces[0]
+    trailing = (piece.stop - piece.start,) if isinstance(piece, ColumnRange) else first[1:]
     dtype = _one_dtype(p.name, p.pieces, sources)
-    return PlannedTensor(p.name, dtype, (p.rows, *first[1:]), p.pieces, p.shard)
+    return PlannedTensor(p.name, dtype, (p.rows, *trailing), p.pieces, p.shard)
 
 
 def _expert_whole(
@@ -172,29 +171,30 @@ def _rank_part(whole: PlannedTensor, rank: int, tp: int) -> PlannedTensor:
     if part is None:
         return PlannedTensor(whole.name, whole.dtype, whole.shape, whole.regions, whole.shard, rank)
     if whole.shard.kind == ShardKind.EXPERTS:
-        # Every expert of the block is made of the same number of pieces.
+        # Rows here are experts (dim 0 of a 3-D tensor), each made of the same number of pieces.
         per_expert = len(whole.regions) // whole.shape[0]
         regions = whole.regions[part.start * per_expert : part.stop * per_expert]
         size = (part.stop - part.start, *whole.shape[1:])
-    elif part.dim == 0:
-        regions = _rows_of(whole.regions, part.start, part.stop)
-        size = (part.stop - part.start, *whole.shape[1:])
-    elif len(whole.regions) == 1 and len(whole.shape) == 2 and part.dim == 1:
-        regions = (ColumnRange(whole.regions[0].source, part.start, part.stop),)
-        size = (whole.shape[0], part.stop - part.start)
-    else:
+        return PlannedTensor(whole.name, whole.dtype, size, regions, whole.shard, rank)
+    if part.dim != 0:
         raise LayoutError(f"{whole.name}: cannot split along dim {part.dim}")
+    regions = _rows_of(whole.name, whole.regions, part.start, part.stop)
+    size = (part.stop - part.start, *whole.shape[1:])
     return PlannedTensor(whole.name, whole.dtype, size, regions, whole.shard, rank)
 
 
-def _rows_of(regions: Sequence[Region], start: int, stop: int) -> tuple[Region, ...]:
-    """Rows ``[start, stop)`` of the concatenation of row ``regions``."""
+def _rows_of(name: str, regions: Sequence[Region], start: int, stop: int) -> tuple[Region, ...]:
+    """Rows ``[start, stop)`` of the concatenation of ``regions``: parts of row ranges, and
+    column ranges whole (a rank's part never cuts one)."""
     out: list[Region] = []
     at = 0
     for region in regions:
-        assert isinstance(region, RowRange)
         lo, hi = max(start, at), min(stop, at + region.rows)
-        if lo < hi:
+        if lo < hi and isinstance(region, ColumnRange):
+            if (lo, hi) != (at, at + region.rows):
+                raise LayoutError(f"{name}: rows {start}..{stop} cut a rank's columns")
+            out.append(region)
+        elif lo < hi:
             first = region.start + lo - at
             out.append(RowRange(region.source, first, first + hi - lo))
         at += region.rows

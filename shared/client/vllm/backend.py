@@ -21,7 +21,7 @@ one whole version, in three steps, on every rank:
 inside ``update_weights``, so a driver that dies between two calls never leaves the model
 half-prepared.
 
-Two vLLM 0.32 bugs shape this:
+Three vLLM 0.32 bugs shape this:
 
 * ``MultiprocExecutor.collective_rpc`` raises at the first failed rank it reads and leaves
   the other ranks' replies queued, where they answer the next RPC (every later call is then
@@ -41,6 +41,7 @@ Two vLLM 0.32 bugs shape this:
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,8 +52,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from weightcast.client.reader import VersionReader
+from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.client.vllm.placement import hf_tensors, packed_name
-from weightcast.client.vllm.protocol import REFUSED, InitInfo, UpdateInfo, resolve
+from weightcast.client.vllm.protocol import REFUSED, InitInfo, Source, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.fusion import ModelShape, check_shapes
@@ -83,8 +86,12 @@ class WeightcastWeightTransferEngine(
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.defaults = WeightcastInitInfo()
+        self.copier = InPlaceCopier()  # its pinned staging is allocated once, on first use
         self.last_report: dict[str, Any] = {}
         """What the last update did (or why it failed), for :func:`report`."""
+        self._files: VersionReader | None = None
+        """This rank's reader, kept across updates with its host base (``keep_base``)."""
+        self._files_at: tuple[Path, Path] | None = None
 
     def init_transfer_engine(self, init_info: WeightcastInitInfo) -> None:
         self.defaults = init_info
@@ -151,6 +158,8 @@ class WeightcastWeightTransferEngine(
             "tp": tp,
             "tensors": len(staged.parts),
             "bytes": staged.nbytes,
+            "via": staged.via,
+            "read_bytes": staged.read_bytes,
             "read_s": round(staged.read_seconds, 4),
             "stage_s": round(applied - started, 4),
             "apply_s": round(done - applied, 4),
@@ -162,9 +171,23 @@ class WeightcastWeightTransferEngine(
         if self.parallel_config.pipeline_parallel_size > 1:
             raise WeightsError("the weightcast backend does not support pipeline parallelism")
         source = resolve(info, self.defaults, load_config())
-        staged = stage(source, info.version, rank, tp, self._shape(), self._ep(tp))
+        staged = stage(
+            source, info.version, rank, tp, self._shape(), self._reader(source), self._ep(tp)
+        )
         self._check_fits(staged, rank, tp)
         return staged
+
+    def _reader(self, source: Source) -> VersionReader | None:
+        """The reader that keeps this rank's base between updates (None: ``keep_base`` off;
+        a new one when the weights root or record directory changed). Both modes rebuild the
+        rank's part on the host from it and then load it as usual."""
+        if not self.defaults.keep_base:
+            return None
+        where = (source.weights_root, source.verified_dir)
+        if self._files is None or self._files_at != where:
+            self._files = VersionReader(source.weights_root, source.verified_dir, keep_base=True)
+            self._files_at = where
+        return self._files
 
     def _ep(self, tp: int) -> int:
         """The engine's expert parallelism: over every tp rank, or none."""
@@ -183,7 +206,11 @@ class WeightcastWeightTransferEngine(
 
     def _checkpoint_params(self) -> dict[str, torch.Tensor]:
         """Every loadable parameter as vLLM built it, before any post-processing: meta
-        tensors with this rank's checkpoint-format shape and dtype, by qualified name."""
+        tensors with this rank's checkpoint-format shape and dtype, by qualified name.
+
+        vLLM's layerwise metadata leaves out every ``bias`` (0.32 and 0.33: a bias is built
+        after ``create_weights``, never moved to meta nor post-processed), so a module's
+        live ``bias`` parameter stands for its checkpoint format."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         found: dict[str, torch.Tensor] = {}
@@ -191,7 +218,11 @@ class WeightcastWeightTransferEngine(
             info = LAYERWISE_INFO.get(module)
             if info is None:
                 continue
-            for name, meta in info.restore_metadata[0].items():
+            recorded = dict(info.restore_metadata[0])
+            bias = module._parameters.get("bias")
+            if bias is not None and "bias" not in recorded:
+                recorded["bias"] = bias.detach().to("meta")
+            for name, meta in recorded.items():
                 found[f"{module_name}.{name}" if module_name else name] = meta
         if getattr(self.model_config.hf_config, "tie_word_embeddings", False):
             found.pop("lm_head.weight", None)  # the embedding's own parameter
@@ -257,14 +288,9 @@ class WeightcastWeightTransferEngine(
                 return False
         return True
 
-    @torch.no_grad()
     def _apply_in_place(self, staged: StagedVersion) -> None:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for part in staged.parts:
-            param = params[part.name]
-            rows = part.tensor.shape[0]
-            param.data[:rows].copy_(part.tensor)
-            param.data[rows:].zero_()  # vocabulary padding rows: zero, as vLLM loads them
+        params = {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+        self.copier.copy(params, ((part.name, part.tensor) for part in staged.parts))
 
     def _apply_layerwise(self, staged: StagedVersion, rank: int, tp: int) -> None:
         from vllm.model_executor.model_loader.reload import (

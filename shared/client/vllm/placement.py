@@ -66,6 +66,10 @@ def hf_tensors(
             yield from _split_qkv(part, shape, rank, tp)
         elif kind == ShardKind.GATE_UP:
             yield from _split_gate_up(part, shape, rank)
+        elif kind == ShardKind.ROW_PARALLEL_RANKS:  # the rank's [rows, columns / tp]
+            columns = part.tensor.shape[1]
+            whole = (part.tensor.shape[0], columns * tp)
+            yield part.name, _placed(part.tensor, whole, 1, rank * columns)
         elif kind == ShardKind.EXPERTS:
             yield from _split_experts(part, shape, rank)
         else:
@@ -135,6 +139,6 @@ def _placed(part: torch.Tensor, whole: tuple[int, ...], dim: int, start: int) ->
     uninitialised: the loaders never read it)."""
     if tuple(part.shape) == tuple(whole):
         return part
-    buffer = torch.empty(whole, dtype=part.dtype)
+    buffer = torch.empty(whole, dtype=part.dtype, device=part.device)  # not the default device
     buffer.narrow(dim, start, part.shape[dim]).copy_(part)
     return buffer
