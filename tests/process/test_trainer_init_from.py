@@ -2,7 +2,8 @@
 version is that checkpoint bit for bit, and a resumed run never reloads it.
 
 Every checkpoint here is written by ``transformers`` itself (:func:`save_pretrained_qwen3`):
-sharded and not, tied and untied, bf16, fp16 and fp32, in two shapes no flavor has.
+sharded and not, tied and untied, bf16, fp16 and fp32, dense and mixtures of experts (one
+tensor per expert), in shapes no flavor has.
 """
 
 from __future__ import annotations
@@ -58,8 +59,16 @@ def version_tensors(client: redis.Redis, keys: Keys, weights: Path, version: int
         ("tied-odd", torch.bfloat16, None),
         ("untied-odd", torch.float32, 150),
         ("tied-odd", torch.float16, 60),
+        ("moe-untied-odd", torch.float32, 100),
+        ("moe-tied-odd", torch.bfloat16, None),
     ],
-    ids=["tied-bf16-one-file", "untied-fp32-sharded", "tied-fp16-sharded"],
+    ids=[
+        "tied-bf16-one-file",
+        "untied-fp32-sharded",
+        "tied-fp16-sharded",
+        "moe-untied-fp32-sharded",
+        "moe-tied-bf16-one-file",
+    ],
 )
 def test_a_fresh_run_starts_from_the_checkpoint_and_publishes_it_first(
     cli_env: dict[str, str],
@@ -117,25 +126,37 @@ def test_a_fresh_run_starts_from_the_checkpoint_and_publishes_it_first(
     assert "started from a checkpoint" in log and "published the start" in log
 
 
+@pytest.mark.parametrize("shape", ["untied-odd", "moe-untied-odd"])
 def test_two_fsdp_ranks_start_from_the_checkpoint(
-    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path, shape: str
 ) -> None:
-    """Under FSDP each rank reads its own shards of the checkpoint; the step-0 snapshot the
-    two ranks write together is the checkpoint, bitwise."""
+    """Under FSDP each rank reads its own shards of the checkpoint (an MoE's experts: half
+    of them each); the step-0 snapshot the two ranks write together is the checkpoint,
+    bitwise, and the step-1 one holds the same tensors, trained."""
+    start = save_pretrained_qwen3(tmp_path / "start", shape, torch.bfloat16, 150)
+    push_batches(
+        cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES[shape]["vocab_size"]
+    )
+    result = run_torchrun_trainer(
+        cli_env, 2, "--init-from", str(start), "--steps", "1", "--lr", "1e-2"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = snapshot_tensors(tmp_path / "checkpoints" / "step-0")
+    assert_bitwise_the_start(first, start)
+    trained = snapshot_tensors(tmp_path / "checkpoints" / "step-1")
+    assert {n: t.shape for n, t in trained.items()} == {n: t.shape for n, t in first.items()}
+    assert all(torch.isfinite(t.float()).all() for t in trained.values())
+    moved = [name for name in first if not torch.equal(trained[name], first[name])]
+    assert any(".mlp." in name for name in moved), "one step at lr 1e-2 left the MLPs alone"
+
+
+def snapshot_tensors(snapshot: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a trainer snapshot, read as the publisher reads it."""
     from weightcast.contract.snapshot_format import read_complete
     from weightcast.publisher.dcp_load import load_tensors
     from weightcast.publisher.snapshot_scan import Snapshot
 
-    start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16, 150)
-    push_batches(
-        cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES["untied-odd"]["vocab_size"]
-    )
-    result = run_torchrun_trainer(cli_env, 2, "--init-from", str(start), "--steps", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    snapshot = tmp_path / "checkpoints" / "step-0"
-    tensors = load_tensors(Snapshot(snapshot, read_complete(snapshot)))
-    assert_bitwise_the_start(tensors, start)
-    assert (tmp_path / "checkpoints" / "step-1").is_dir()
+    return load_tensors(Snapshot(snapshot, read_complete(snapshot)))
 
 
 def test_a_resumed_run_never_reloads_its_start(
