@@ -740,12 +740,13 @@ HF_SHAPES = {
     "moe-untied-odd": dict(
         vocab_size=1003,
         hidden_size=48,
-        intermediate_size=80,  # the dense MLP's width, which no layer has here
+        intermediate_size=80,  # the dense layer's width
         moe_intermediate_size=40,
         num_experts=6,  # 3 per rank under 2-rank FSDP
         num_experts_per_tok=2,
         norm_topk_prob=True,
         num_hidden_layers=3,
+        mlp_only_layers=[1],  # a dense layer (intermediate_size) between two sparse ones
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=24,
@@ -760,7 +761,7 @@ HF_SHAPES = {
         hidden_size=64,
         intermediate_size=96,
         moe_intermediate_size=24,
-        num_experts=4,
+        num_experts=5,  # splits over no number of FSDP ranks
         num_experts_per_tok=3,
         norm_topk_prob=False,
         num_hidden_layers=2,
@@ -775,7 +776,8 @@ HF_SHAPES = {
     ),
 }
 """Dense Qwen3 and Qwen3-MoE (``moe-*``) shapes that no flavor has: tied and untied, odd
-vocabularies, head_dims and expert widths, top-k renormalised and not, their own
+vocabularies, head_dims and expert widths, top-k renormalised and not, a dense layer among
+sparse ones and none, their own
 rope_theta, rms_norm_eps, max_position_embeddings and eos."""
 
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from weightcast.contract.errors import ConfigError, LayoutError
@@ -40,7 +40,7 @@ from weightcast.contract.fusion import ModelShape
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import HeaderError, TensorSpan, read_header
 from weightcast.contract.untrusted import json_object
-from weightcast.trainer.model import qwen3_moe_router
+from weightcast.trainer.model import Qwen3MoeModelArgs, TiedQwen3Model, qwen3_moe_router
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -83,7 +83,7 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
     """torchtitan's Qwen3 args for a Qwen3 or Qwen3-MoE ``config.json`` (``where`` names it).
 
     Every field is checked for its type and bounds; what torchtitan's Qwen3 cannot build
-    (attention biases, rope scaling, sliding windows, dense layers among MoE ones, another
+    (attention biases, rope scaling, sliding windows, HF's router auxiliary loss, another
     architecture) is refused rather than ignored.
     """
     architectures = config.get("architectures")
@@ -117,9 +117,9 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
             f"{where}: num_attention_heads {shape.num_heads} is not a multiple of "
             f"num_key_value_heads {shape.num_kv_heads}"
         )
-    moe = _moe_fields(config, where) if model_type == "qwen3_moe" else {}
-    return Qwen3ModelArgs(
-        **moe,
+    moe = model_type == "qwen3_moe"
+    return (Qwen3MoeModelArgs if moe else Qwen3ModelArgs)(
+        **(_moe_fields(config, where, shape.num_layers) if moe else {}),
         vocab_size=shape.vocab_size,
         dim=shape.hidden_size,
         n_layers=shape.num_layers,
@@ -136,15 +136,15 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
     )
 
 
-def _moe_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
+def _moe_fields(config: Mapping[str, Any], where: str, layers: int) -> dict[str, Any]:
     """torchtitan's MoE args of a Qwen3-MoE ``config.json``, its router as
     :func:`~weightcast.trainer.model.qwen3_moe_router` sets it.
 
     ``num_experts`` is also read as ``num_local_experts``, the name transformers 5 writes.
-    torchtitan 0.2.0's Qwen3 makes every layer an MoE one, so a ``decoder_sparse_step`` or
-    ``mlp_only_layers`` that leaves some dense is refused; so is ``output_router_logits``,
-    whose auxiliary loss torchtitan does not compute (``router_aux_loss_coef`` only weighs
-    that loss, so it is unused without it).
+    The layers ``mlp_only_layers`` lists, and those ``decoder_sparse_step`` skips, are dense
+    (torchtitan's dense block, of ``intermediate_size``). ``output_router_logits`` is
+    refused: torchtitan does not compute HF's auxiliary loss (``router_aux_loss_coef`` only
+    weighs that loss, so it is unused without it).
     """
     fields = {name: config.get(name, default) for name, default in MOE_DEFAULTS.items()}
     if "num_local_experts" in config:  # transformers 5 writes num_experts under this name
@@ -167,30 +167,29 @@ def _moe_fields(config: Mapping[str, Any], where: str) -> dict[str, Any]:
         raise ConfigError(
             f"{where}: num_experts_per_tok {top_k} is more than num_experts {experts}"
         )
-    step, dense = fields["decoder_sparse_step"], fields["mlp_only_layers"]
+    step, listed = fields["decoder_sparse_step"], fields["mlp_only_layers"]
     if type(step) is not int or step < 1:
         raise ConfigError(f"{where}: decoder_sparse_step is {step!r}, not a positive integer")
-    if step != 1:
+    if not isinstance(listed, list) or not all(type(i) is int for i in listed):
+        raise ConfigError(f"{where}: mlp_only_layers is {listed!r}, not a list of layer indices")
+    outside = [i for i in listed if not 0 <= i < layers]
+    if outside:
         raise ConfigError(
-            f"{where}: decoder_sparse_step is {step}: only every {step}th layer would be an MoE "
-            "one; torchtitan 0.2.0's Qwen3 makes every layer an MoE one (only 1 is supported)"
-        )
-    if not isinstance(dense, list) or not all(type(i) is int for i in dense):
-        raise ConfigError(f"{where}: mlp_only_layers is {dense!r}, not a list of layer indices")
-    if dense:
-        raise ConfigError(
-            f"{where}: mlp_only_layers is {dense}: torchtitan 0.2.0's Qwen3 makes every layer "
-            "an MoE one and cannot keep dense layers among them (only [] is supported)"
+            f"{where}: mlp_only_layers names layer {outside[0]}; the model's layers are "
+            f"0 to {layers - 1}"
         )
     if fields["output_router_logits"]:
         raise ConfigError(
             f"{where}: output_router_logits is true: torchtitan 0.2.0's Qwen3 MoE trains "
             "without HF's router auxiliary loss (only false is supported)"
         )
+    # transformers' Qwen3MoeDecoderLayer: sparse unless listed or off the step
+    dense = tuple(i for i in range(layers) if i in listed or (i + 1) % step)
     return {
         "moe_enabled": True,
         "moe_inter_dim": fields["moe_intermediate_size"],
         "moe_args": qwen3_moe_router(experts, top_k, fields["norm_topk_prob"]),
+        "dense_layers": dense,
     }
 
 
@@ -244,6 +243,7 @@ def _shape_fields(args: Qwen3ModelArgs) -> dict[str, Any]:
         moe = args.moe_args
         fields |= {"moe_inter_dim": args.moe_inter_dim, "num_experts": moe.num_experts}
         fields |= {"top_k": moe.top_k, "route_norm": moe.route_norm}
+        fields |= {"dense_layers": getattr(args, "dense_layers", ())}
     return fields
 
 
@@ -268,7 +268,7 @@ def expected_tensors(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every HF tensor torchtitan's Qwen3 with ``args`` holds, with its shape (built on the
     meta device: nothing is allocated)."""
     with torch.device("meta"):
-        model = Qwen3Model(args)
+        model = TiedQwen3Model(args)
     names = Qwen3StateDictAdapter(args, None).to_hf(model.state_dict())
     if args.enable_weight_tying:
         names.pop("lm_head.weight", None)

@@ -12,6 +12,7 @@ from torch.overrides import TorchFunctionMode
 from torchtitan.experiments.forge import train_spec as forge_specs
 from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from torchtitan.models.qwen3.model.model import TransformerBlock
 
 TRAIN_SPEC_NAME = "weightcast_qwen3"
 START_FLAVOR = "init-from"
@@ -74,7 +75,16 @@ def qwen3_moe_router(num_experts: int, top_k: int, norm_topk_prob: bool) -> MoEA
     )
 
 
-TINY_MOE = Qwen3ModelArgs(
+@dataclasses.dataclass
+class Qwen3MoeModelArgs(Qwen3ModelArgs):
+    """torchtitan's Qwen3 args and the layers of an MoE that stay dense (HF's
+    ``mlp_only_layers``, and those ``decoder_sparse_step`` skips): torchtitan decides per
+    block, but its Qwen3 args make every block alike."""
+
+    dense_layers: tuple[int, ...] = ()
+
+
+TINY_MOE = Qwen3MoeModelArgs(
     vocab_size=1024,
     max_seq_len=1024,
     head_dim=64,
@@ -92,7 +102,8 @@ TINY_MOE = Qwen3ModelArgs(
     moe_args=qwen3_moe_router(num_experts=8, top_k=2, norm_topk_prob=True),
 )
 """A Qwen3-MoE that trains on 2 CPU cores in a fraction of a second a step: 8 experts of
-width 64, top-2 with renormalised weights, untied like Qwen3-30B-A3B."""
+width 64, top-2 with renormalised weights, every layer sparse and untied like
+Qwen3-30B-A3B."""
 
 
 class TiedQwen3Model(Qwen3Model):
@@ -102,12 +113,16 @@ class TiedQwen3Model(Qwen3Model):
     torchtitan 0.2.0 ties ``output`` to ``tok_embeddings`` in ``parallelize_qwen3``, but
     without FSDP the later ``to_empty`` gives each its own storage, and the two drift apart.
     Tying again in ``init_weights`` (which runs after ``to_empty`` and before the optimizer
-    is built) keeps one parameter in every parallelism. Its MoE layers are
+    is built) keeps one parameter in every parallelism. An MoE's ``dense_layers``
+    (:class:`Qwen3MoeModelArgs`) are torchtitan's dense blocks, its others' MoE layers are
     :class:`CpuCountingMoE`.
     """
 
     def __init__(self, model_args: Qwen3ModelArgs) -> None:
         super().__init__(model_args)
+        dense = dataclasses.replace(model_args, moe_enabled=False)
+        for layer in getattr(model_args, "dense_layers", ()):
+            self.layers[str(layer)] = TransformerBlock(layer, dense)
         for block in self.layers.values():
             if block.moe_enabled:
                 block.moe.__class__ = CpuCountingMoE  # same state, one method more
@@ -229,7 +244,7 @@ def hf_config(args: Qwen3ModelArgs, dtype: str = "bfloat16") -> dict[str, Any]:
 
 
 def _hf_moe_fields(args: Qwen3ModelArgs) -> dict[str, Any]:
-    """The fields HF's ``Qwen3MoeConfig`` adds: every layer sparse, no auxiliary loss."""
+    """The fields HF's ``Qwen3MoeConfig`` adds: the dense layers listed, no auxiliary loss."""
     moe = args.moe_args
     router = qwen3_moe_router(moe.num_experts, moe.top_k, moe.route_norm)
     if dataclasses.replace(moe, use_grouped_mm=True, _debug_force_load_balance=False) != router:
@@ -242,7 +257,7 @@ def _hf_moe_fields(args: Qwen3ModelArgs) -> dict[str, Any]:
         "moe_intermediate_size": args.moe_inter_dim,
         "norm_topk_prob": moe.route_norm,
         "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
+        "mlp_only_layers": sorted(getattr(args, "dense_layers", ())),
         "output_router_logits": False,
         "router_aux_loss_coef": 0.001,
     }

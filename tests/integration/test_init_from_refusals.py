@@ -138,7 +138,7 @@ def test_a_torchtitan_initial_load_is_refused_naming_init_from(
     assert_refused(tmp_path, capsys, code, "initial_load_path", "trainer.init_from")
 
 
-EXPERT = "model.layers.1.mlp.experts.4.down_proj.weight"
+EXPERT = "model.layers.2.mlp.experts.4.down_proj.weight"
 
 
 def rewrite_expert(start: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> str:
@@ -164,13 +164,13 @@ MOE_CASES: dict[str, tuple[Callable[[Path], object], tuple[str, ...]]] = {
         lambda start: rewrite_expert(start, lambda t: t.update({EXPERT: t[EXPERT].int()})),
         (EXPERT, "is I32"),
     ),
-    "dense-layers-among-moe": (
-        lambda start: edit_config(start, mlp_only_layers=[1]),
-        ("config.json", "mlp_only_layers is [1]"),
+    "dense-layer-out-of-range": (
+        lambda start: edit_config(start, mlp_only_layers=[1, 3]),
+        ("config.json", "mlp_only_layers names layer 3; the model's layers are 0 to 2"),
     ),
-    "sparse-step": (
+    "sparse-layer-made-dense": (  # layers 0 and 2 would be dense: no dense MLP there
         lambda start: edit_config(start, decoder_sparse_step=2),
-        ("config.json", "decoder_sparse_step is 2"),
+        ("model.layers.0.mlp.gate_proj.weight", "is missing"),
     ),
     "router-aux-loss": (
         lambda start: edit_config(start, output_router_logits=True),

@@ -150,6 +150,18 @@ def test_two_fsdp_ranks_start_from_the_checkpoint(
     assert any(".mlp." in name for name in moved), "one step at lr 1e-2 left the MLPs alone"
 
 
+def test_experts_that_do_not_split_over_the_fsdp_ranks_are_refused(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """torchtitan's adapter names a rank's experts only when they split evenly: 5 experts
+    over 2 ranks are refused with one line, before any snapshot."""
+    start = save_pretrained_qwen3(tmp_path / "start", "moe-tied-odd", torch.bfloat16)
+    result = run_torchrun_trainer(cli_env, 2, "--init-from", str(start), "--steps", "1")
+    assert result.returncode != 0
+    assert "the model's 5 experts do not split evenly over 2 FSDP ranks" in result.stderr
+    assert not (tmp_path / "checkpoints" / "step-0").exists()
+
+
 def snapshot_tensors(snapshot: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a trainer snapshot, read as the publisher reads it."""
     from weightcast.contract.snapshot_format import read_complete

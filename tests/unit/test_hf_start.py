@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import TrainerConfig
@@ -194,10 +195,10 @@ def test_num_experts_as_qwen_writes_it_and_transformers_defaults() -> None:
         ({"num_experts_per_tok": 7}, "num_experts_per_tok 7 is more than num_experts 6"),
         ({"num_experts": 8}, "num_local_experts 6 and num_experts 8 differ"),
         ({"norm_topk_prob": 1}, "norm_topk_prob is 1, not true or false"),
-        ({"decoder_sparse_step": 2}, "decoder_sparse_step is 2: only every 2th layer"),
         ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0, not a positive integer"),
-        ({"mlp_only_layers": [1]}, "mlp_only_layers is [1]: torchtitan 0.2.0's Qwen3"),
         ({"mlp_only_layers": "0"}, "mlp_only_layers is '0', not a list of layer indices"),
+        ({"mlp_only_layers": [2]}, "mlp_only_layers names layer 2; the model's layers are 0 to 1"),
+        ({"mlp_only_layers": [-1]}, "mlp_only_layers names layer -1"),
         ({"output_router_logits": True}, "output_router_logits is true: torchtitan 0.2.0's"),
         ({"attention_bias": True}, "attention_bias is True"),
     ],
@@ -208,6 +209,39 @@ def test_a_moe_config_torchtitans_qwen3_cannot_build_is_refused(
     with pytest.raises(ConfigError, match=r"^c\.json: ") as info:
         model_args_from_hf(qwen3_moe_config(**over), "c.json")
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("over", "dense"),
+    [
+        ({}, ()),
+        ({"mlp_only_layers": [0]}, (0,)),
+        ({"decoder_sparse_step": 2}, (0,)),  # transformers: sparse where (layer + 1) % step == 0
+        ({"decoder_sparse_step": 3, "mlp_only_layers": [1]}, (0, 1)),
+        ({"decoder_sparse_step": 3}, (0, 1)),
+    ],
+)
+def test_dense_layers_among_moe_ones_are_the_ones_transformers_makes_dense(
+    over: dict[str, Any], dense: tuple[int, ...]
+) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = qwen3_moe_config(**over)
+    assert model_args_from_hf(config, "c.json").dense_layers == dense
+    with torch.device("meta"):
+        reference = Qwen3MoeForCausalLM(Qwen3MoeConfig(**config))
+    hf_dense = tuple(
+        i for i, layer in enumerate(reference.model.layers) if hasattr(layer.mlp, "up_proj")
+    )
+    assert hf_dense == dense
+
+
+def test_the_expected_tensors_of_a_dense_layer_among_moe_ones_are_hfs_mlp() -> None:
+    expected = expected_tensors(model_args_from_hf(qwen3_moe_config(mlp_only_layers=[1]), "c"))
+    assert expected["model.layers.1.mlp.gate_proj.weight"] == (96, 64)  # intermediate_size
+    assert expected["model.layers.1.mlp.down_proj.weight"] == (64, 96)
+    assert not any(name.startswith("model.layers.1.mlp.experts") for name in expected)
+    assert expected["model.layers.0.mlp.experts.5.up_proj.weight"] == (40, 64)
 
 
 def test_the_expected_tensors_of_an_moe_are_hfs_per_expert_names() -> None:

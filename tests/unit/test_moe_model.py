@@ -31,9 +31,13 @@ def test_integer_histc_counts_as_a_gpus_histc() -> None:
         torch.histc(indices.view(-1), bins=6, min=0, max=6)
 
 
-@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize(
+    ("norm_topk_prob", "dense_layers"),
+    [(True, ()), (False, (0,))],
+    ids=["renormalised-all-sparse", "raw-layer-0-dense"],
+)
 def test_the_trainers_moe_computes_transformers_qwen3_moe(
-    norm_topk_prob: bool, tmp_path: Path
+    norm_topk_prob: bool, dense_layers: tuple[int, ...], tmp_path: Path
 ) -> None:
     """Logits of torchtitan's model (as the trainer builds it, on a CPU) and of transformers'
     ``Qwen3MoeForCausalLM`` loaded by ``from_pretrained`` from :func:`hf_config` and the
@@ -43,7 +47,7 @@ def test_the_trainers_moe_computes_transformers_qwen3_moe(
     from transformers import Qwen3MoeForCausalLM
 
     router = qwen3_moe_router(num_experts=8, top_k=2, norm_topk_prob=norm_topk_prob)
-    args = for_device(dataclasses.replace(TINY_MOE, moe_args=router))
+    args = for_device(dataclasses.replace(TINY_MOE, moe_args=router, dense_layers=dense_layers))
     torch.manual_seed(0)
     model = TiedQwen3Model(args)
     model.init_weights(torch.device("cpu"))
@@ -52,6 +56,7 @@ def test_the_trainers_moe_computes_transformers_qwen3_moe(
     (tmp_path / "config.json").write_text(json.dumps(hf_config(args, "float32")))
     reference = Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert reference.config.num_experts == 8 and reference.config.norm_topk_prob is norm_topk_prob
+    assert reference.config.mlp_only_layers == list(dense_layers)
     tokens = torch.randint(0, args.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ours = model(tokens)
