@@ -84,26 +84,22 @@ class Qwen3MoeModelArgs(Qwen3ModelArgs):
     dense_layers: tuple[int, ...] = ()
 
 
-TINY_MOE = Qwen3MoeModelArgs(
-    vocab_size=1024,
-    max_seq_len=1024,
-    head_dim=64,
-    dim=128,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    qk_norm=True,
-    hidden_dim=384,
-    rope_theta=1_000_000,
+def with_experts(args: Qwen3ModelArgs, **moe: Any) -> Qwen3MoeModelArgs:
+    """``args`` as an MoE's, with the fields ``moe`` gives."""
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init}
+    return Qwen3MoeModelArgs(**(fields | moe))
+
+
+TINY_MOE = with_experts(
+    TINY,
     enable_weight_tying=False,
-    eos_id=1,
     moe_enabled=True,
     moe_inter_dim=64,
     moe_args=qwen3_moe_router(num_experts=8, top_k=2, norm_topk_prob=True),
 )
 """A Qwen3-MoE that trains on 2 CPU cores in a fraction of a second a step: 8 experts of
 width 64, top-2 with renormalised weights, every layer sparse and untied like
-Qwen3-30B-A3B."""
+Qwen3-30B-A3B; otherwise :data:`TINY`."""
 
 
 class TiedQwen3Model(Qwen3Model):
@@ -177,8 +173,7 @@ def _hf_router(args: Qwen3ModelArgs) -> Qwen3ModelArgs:
     if not args.moe_enabled:
         return args
     moe = args.moe_args
-    router = qwen3_moe_router(moe.num_experts, moe.top_k, moe.route_norm)
-    return dataclasses.replace(args, moe_args=router)
+    return with_experts(args, moe_args=qwen3_moe_router(moe.num_experts, moe.top_k, moe.route_norm))
 
 
 def flavor_args(name: str) -> Qwen3ModelArgs:

@@ -56,40 +56,31 @@ def test_transformers_4_fields_and_defaults() -> None:
     assert args.head_dim == 16 and args.n_kv_heads == 4 and args.norm_eps == 1e-6
 
 
-@pytest.mark.parametrize(
-    ("over", "message"),
-    [
-        (
-            {"architectures": ["Qwen3ForCausalLM", "X"]},
-            "architectures is ['Qwen3ForCausalLM', 'X']",
-        ),
-        ({"architectures": ["LlamaForCausalLM"]}, "architectures is ['LlamaForCausalLM']"),
-        ({"architectures": []}, "architectures is []"),
-        ({"model_type": "qwen3_moe"}, "model_type is 'qwen3_moe', not 'qwen3'"),
-        ({"architectures": None}, "architectures is None"),
-        ({"model_type": "llama"}, "model_type is 'llama'"),
-        ({"attention_bias": True}, "attention_bias is True"),
-        ({"use_sliding_window": True}, "use_sliding_window is True"),
-        ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "rope_type 'default'"),
-        ({"hidden_size": 64.0}, "hidden_size is 64.0, not a positive integer"),
-        ({"vocab_size": True}, "vocab_size is True, not a positive integer"),
-        ({"num_hidden_layers": 0}, "num_hidden_layers is 0, not a positive integer"),
-        (
-            {"num_key_value_heads": 3},
-            "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
-        ),
-        ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number, got -1.0"),
-        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', not true or false"),
-        ({"eos_token_id": "end"}, "eos_token_id must be a token id, got 'end'"),
-    ],
-)
-def test_a_config_torchtitans_qwen3_cannot_build_is_refused(
-    over: dict[str, Any], message: str
-) -> None:
-    with pytest.raises(ConfigError, match=r"^c\.json: ") as info:
-        model_args_from_hf(qwen3_config(**over), "c.json")
-    assert message in str(info.value)
+DENSE_REFUSALS: list[tuple[dict[str, Any], str]] = [
+    (
+        {"architectures": ["Qwen3ForCausalLM", "X"]},
+        "architectures is ['Qwen3ForCausalLM', 'X']",
+    ),
+    ({"architectures": ["LlamaForCausalLM"]}, "architectures is ['LlamaForCausalLM']"),
+    ({"architectures": []}, "architectures is []"),
+    ({"model_type": "qwen3_moe"}, "model_type is 'qwen3_moe', not 'qwen3'"),
+    ({"architectures": None}, "architectures is None"),
+    ({"model_type": "llama"}, "model_type is 'llama'"),
+    ({"attention_bias": True}, "attention_bias is True"),
+    ({"use_sliding_window": True}, "use_sliding_window is True"),
+    ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "rope_type 'default'"),
+    ({"hidden_size": 64.0}, "hidden_size is 64.0, not a positive integer"),
+    ({"vocab_size": True}, "vocab_size is True, not a positive integer"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers is 0, not a positive integer"),
+    (
+        {"num_key_value_heads": 3},
+        "num_attention_heads 4 is not a multiple of num_key_value_heads 3",
+    ),
+    ({"rms_norm_eps": -1.0}, "rms_norm_eps must be a positive number, got -1.0"),
+    ({"tie_word_embeddings": "yes"}, "tie_word_embeddings is 'yes', not true or false"),
+    ({"eos_token_id": "end"}, "eos_token_id must be a token id, got 'end'"),
+]
 
 
 def test_the_expected_tensors_are_the_hf_names_torchtitan_builds() -> None:
@@ -185,29 +176,33 @@ def test_num_experts_as_qwen_writes_it_and_transformers_defaults() -> None:
     assert (args.moe_args.num_experts, args.moe_args.top_k, args.moe_inter_dim) == (128, 8, 768)
 
 
+MOE_REFUSALS: list[tuple[dict[str, Any], str]] = [
+    ({"model_type": "qwen3"}, "model_type is 'qwen3', not 'qwen3_moe'"),
+    ({"num_local_experts": 0}, "num_experts is 0, not a positive integer"),
+    ({"num_experts_per_tok": 2.0}, "num_experts_per_tok is 2.0, not a positive integer"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size is None, not a positive"),
+    ({"num_experts_per_tok": 7}, "num_experts_per_tok 7 is more than num_experts 6"),
+    ({"num_experts": 8}, "num_local_experts 6 and num_experts 8 differ"),
+    ({"norm_topk_prob": 1}, "norm_topk_prob is 1, not true or false"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0, not a positive integer"),
+    ({"mlp_only_layers": "0"}, "mlp_only_layers is '0', not a list of layer indices"),
+    ({"mlp_only_layers": [2]}, "mlp_only_layers names layer 2; the model's layers are 0 to 1"),
+    ({"mlp_only_layers": [-1]}, "mlp_only_layers names layer -1"),
+    ({"output_router_logits": True}, "output_router_logits is true: torchtitan 0.2.0's"),
+    ({"attention_bias": True}, "attention_bias is True"),
+]
+
+
 @pytest.mark.parametrize(
-    ("over", "message"),
-    [
-        ({"model_type": "qwen3"}, "model_type is 'qwen3', not 'qwen3_moe'"),
-        ({"num_local_experts": 0}, "num_experts is 0, not a positive integer"),
-        ({"num_experts_per_tok": 2.0}, "num_experts_per_tok is 2.0, not a positive integer"),
-        ({"moe_intermediate_size": None}, "moe_intermediate_size is None, not a positive"),
-        ({"num_experts_per_tok": 7}, "num_experts_per_tok 7 is more than num_experts 6"),
-        ({"num_experts": 8}, "num_local_experts 6 and num_experts 8 differ"),
-        ({"norm_topk_prob": 1}, "norm_topk_prob is 1, not true or false"),
-        ({"decoder_sparse_step": 0}, "decoder_sparse_step is 0, not a positive integer"),
-        ({"mlp_only_layers": "0"}, "mlp_only_layers is '0', not a list of layer indices"),
-        ({"mlp_only_layers": [2]}, "mlp_only_layers names layer 2; the model's layers are 0 to 1"),
-        ({"mlp_only_layers": [-1]}, "mlp_only_layers names layer -1"),
-        ({"output_router_logits": True}, "output_router_logits is true: torchtitan 0.2.0's"),
-        ({"attention_bias": True}, "attention_bias is True"),
-    ],
+    ("config", "message"),
+    [(qwen3_config(**over), message) for over, message in DENSE_REFUSALS]
+    + [(qwen3_moe_config(**over), message) for over, message in MOE_REFUSALS],
 )
-def test_a_moe_config_torchtitans_qwen3_cannot_build_is_refused(
-    over: dict[str, Any], message: str
+def test_a_config_torchtitans_qwen3_cannot_build_is_refused(
+    config: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ConfigError, match=r"^c\.json: ") as info:
-        model_args_from_hf(qwen3_moe_config(**over), "c.json")
+        model_args_from_hf(config, "c.json")
     assert message in str(info.value)
 
 
