@@ -171,13 +171,14 @@ def snapshot_tensors(snapshot: Path) -> dict[str, torch.Tensor]:
     return load_tensors(Snapshot(snapshot, read_complete(snapshot)))
 
 
+@pytest.mark.parametrize("shape", ["tied-odd", "moe-tied-odd"])
 def test_a_resumed_run_never_reloads_its_start(
-    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path, shape: str
 ) -> None:
     """SIGKILL after a resume checkpoint, then a restart with the checkpoint directory
     overwritten by other weights: the final model is bitwise an uninterrupted run's from the
     first start (the restart resumed; had it loaded the start again, it could not be)."""
-    start = save_pretrained_qwen3(tmp_path / "start", "tied-odd", torch.bfloat16)
+    start = save_pretrained_qwen3(tmp_path / "start", shape, torch.bfloat16)
     every_two = config_file(tmp_path, "[trainer.checkpoint]\ninterval = 2\n")
     args = ("trainer", "--config", every_two, "--init-from", str(start), "--steps", "4")
 
@@ -203,7 +204,7 @@ def test_a_resumed_run_never_reloads_its_start(
         )
     finally:
         assert stop(trainer, signal.SIGKILL) == -signal.SIGKILL
-    save_pretrained_qwen3(start, "tied-odd", torch.bfloat16, seed=7)  # another start
+    save_pretrained_qwen3(start, shape, torch.bfloat16, seed=7)  # another start
     push_batches(url, keys, 1, vocab_size=1000, skip=3)  # the fourth of the same sequence
     restarted = run_weightcast(cli_env, *args, "--consumer", "c")
     assert restarted.returncode == 0, restarted.stderr[-3000:]
