@@ -97,7 +97,7 @@ TINY_MOE = with_experts(
     moe_inter_dim=64,
     moe_args=qwen3_moe_router(num_experts=8, top_k=2, norm_topk_prob=True),
 )
-"""A Qwen3-MoE that trains on 2 CPU cores in a fraction of a second a step: 8 experts of
+"""A Qwen3-MoE that trains on 2 CPU cores in about a second a step of 256 tokens: 8 experts of
 width 64, top-2 with renormalised weights, every layer sparse and untied like
 Qwen3-30B-A3B; otherwise :data:`TINY`."""
 
