@@ -47,21 +47,77 @@ class LossSettings:
 class LossResult:
     loss: torch.Tensor
     """The mean over the batch's trained tokens (the trainer weighs micro-batches by them)."""
-    metrics: dict[str, float]
+    metrics: dict[str, float | torch.Tensor]
+    """Named figures, each a float or a 0-dim tensor; the trainer reads every tensor of a
+    step in one device-to-host copy, so a loss should not call ``.item()`` itself."""
 
 
 LossFn = Callable[[torch.Tensor, RolloutBatch, LossSettings], LossResult]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` log-probability of each token under the logits before it (0 at t = 0)."""
+CHUNK_ROWS = 1024
+"""Rows of logits (positions) turned into float32 at a time: at a 151936 vocabulary, 0.6 GB
+per chunk, whatever ``B x T``."""
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, chunk_rows: int = CHUNK_ROWS
+) -> torch.Tensor:
+    """``[B, T]`` float32 log-probability of each token under the logits before it (0 at
+    t = 0), differentiable in ``logits``.
+
+    Computed ``chunk_rows`` positions at a time, forward and backward
+    (:class:`_ChunkedLogprobs`): no float32 copy of all the logits is ever made, and the
+    backward keeps only a float32 log-normaliser per position, so the memory beyond the
+    logits and their gradient is bounded by the chunk, not by ``T x vocab``.
+    """
     batch, seq = input_ids.shape
-    nll = F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
-        input_ids[:, 1:].reshape(-1),
-        reduction="none",
-    )
-    return F.pad(-nll.view(batch, seq - 1), (1, 0))
+    rows = logits.reshape(batch * seq, logits.shape[-1])
+    # Row (b, t) scores token t + 1; the last row of each sequence scores nothing (its
+    # output is dropped below, so it gets no gradient).
+    targets = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
+    scored = _ChunkedLogprobs.apply(rows, targets, chunk_rows)
+    return F.pad(scored.view(batch, seq)[:, :-1], (1, 0))
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """``log_softmax(rows)[i, targets[i]]`` in float32, chunk by chunk; the backward
+    recomputes each chunk's softmax from the saved log-normaliser instead of keeping it."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        rows: torch.Tensor,
+        targets: torch.Tensor,
+        chunk_rows: int,
+    ) -> torch.Tensor:
+        scored = torch.empty(len(rows), dtype=torch.float32, device=rows.device)
+        normaliser = torch.empty_like(scored)
+        for start in range(0, len(rows), chunk_rows):
+            chunk = rows[start : start + chunk_rows].float()
+            lse = torch.logsumexp(chunk, dim=-1)
+            picked = chunk.gather(1, targets[start : start + chunk_rows, None]).squeeze(1)
+            scored[start : start + chunk_rows] = picked - lse
+            normaliser[start : start + chunk_rows] = lse
+        ctx.save_for_backward(rows, targets, normaliser)
+        ctx.chunk_rows = chunk_rows  # type: ignore[attr-defined]
+        return scored
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, None, None]:
+        rows, targets, normaliser = ctx.saved_tensors  # type: ignore[attr-defined]
+        step = ctx.chunk_rows  # type: ignore[attr-defined]
+        grad_rows = torch.empty_like(rows)
+        for start in range(0, len(rows), step):
+            weight = grad[start : start + step, None].float()
+            chunk = rows[start : start + step].to(torch.float32, copy=True)  # changed below
+            # d(x_target - logsumexp(x)) / dx = onehot(target) - softmax(x)
+            chunk.sub_(normaliser[start : start + step, None]).exp_().mul_(-weight)
+            chunk.scatter_add_(1, targets[start : start + step, None], weight)
+            grad_rows[start : start + step] = chunk
+        return grad_rows, None, None
 
 
 def trained_mask(batch: RolloutBatch) -> torch.Tensor:
@@ -83,19 +139,23 @@ def trained_tokens(batch: RolloutBatch) -> int:
 
 @torch.no_grad()
 def policy_entropy(
-    logits: torch.Tensor, batch: RolloutBatch, chunk_rows: int = 1024
+    logits: torch.Tensor, batch: RolloutBatch, chunk_rows: int = CHUNK_ROWS
 ) -> torch.Tensor:
-    """Mean entropy of the next-token distribution over the trained tokens.
+    """Mean entropy of the next-token distribution over the trained tokens (a 0-dim tensor
+    on the logits' device: reading it is the caller's one sync).
 
-    Computed in row chunks, so a 150k vocabulary never needs a float32 copy of all logits.
+    Computed in row chunks, weighted by the mask rather than indexed by it: no float32 copy
+    of all logits, no copy of the trained rows, no device sync.
     """
-    rows = logits[:, :-1][trained_mask(batch)[:, 1:].bool()]
+    rows = logits.reshape(-1, logits.shape[-1])
+    # Row (b, t) predicts token t + 1: it counts when that token is trained.
+    weights = F.pad(trained_mask(batch)[:, 1:], (0, 1)).reshape(-1).to(torch.float32)
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    for chunk in rows.split(chunk_rows):
-        chunk = chunk.float()
-        logp = torch.log_softmax(chunk, dim=-1)
-        total += -(logp.exp() * logp).sum()
-    return total / max(len(rows), 1)
+    for start in range(0, len(rows), chunk_rows):
+        logp = torch.log_softmax(rows[start : start + chunk_rows].float(), dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        total += (entropy * weights[start : start + chunk_rows]).sum()
+    return total / weights.sum().clamp(min=1)
 
 
 def grpo_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:
@@ -117,12 +177,12 @@ def grpo_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings)
     dual_clipped = (advantages < 0) & (objective < floor)
     objective = torch.where(dual_clipped, floor, objective)
     per_token = -objective
-    metrics = {
-        "clip_fraction": masked_mean(((ratio != clipped) | dual_clipped).float(), mask).item()
+    metrics: dict[str, float | torch.Tensor] = {
+        "clip_fraction": masked_mean(((ratio != clipped) | dual_clipped).float(), mask).detach()
     }
     if batch.ref_logprobs is not None:
         kl = k3_kl(logp, batch.ref_logprobs)
-        metrics["kl"] = masked_mean(kl.detach(), mask).item()
+        metrics["kl"] = masked_mean(kl.detach(), mask)
         if settings.kl_coef:
             per_token = per_token + settings.kl_coef * kl
     loss = masked_mean(per_token, mask)
@@ -138,13 +198,15 @@ def k3_kl(logp: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Mismatch:
     """How far the engine's log-probabilities of the sampled tokens (``old_logprobs``) are
-    from the trainer's own, over the trained tokens, before the update."""
+    from the trainer's own, over the trained tokens, before the update. Each figure is a
+    0-dim tensor on the logits' device (no sync until the step reads them all)."""
 
     kl: torch.Tensor
     """Sum over the trained tokens of the k3 estimate of KL(engine || trainer)."""
     max_abs: torch.Tensor
-    """Largest absolute difference of a token's log-probability."""
-    tokens: int
+    """Largest absolute difference of a token's log-probability (0 without trained tokens)."""
+    tokens: torch.Tensor
+    """How many trained tokens were compared."""
 
 
 def logprob_mismatch(logits: torch.Tensor, batch: RolloutBatch) -> Mismatch | None:
@@ -154,12 +216,11 @@ def logprob_mismatch(logits: torch.Tensor, batch: RolloutBatch) -> Mismatch | No
     if batch.old_logprobs is None:
         return None
     mask = trained_mask(batch).bool()
-    logp = token_logprobs(logits.detach(), batch.input_ids)[mask]
-    engine = batch.old_logprobs[mask]
-    if engine.numel() == 0:
-        return None
-    kl = k3_kl(engine, logp).sum()
-    return Mismatch(kl, (logp - engine).abs().max(), int(engine.numel()))
+    logp = token_logprobs(logits.detach(), batch.input_ids)
+    engine = batch.old_logprobs
+    kl = torch.where(mask, k3_kl(engine, logp), 0.0).sum()
+    gap = torch.where(mask, (logp - engine).abs(), 0.0).amax()
+    return Mismatch(kl, gap, mask.sum())
 
 
 def sft_loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:

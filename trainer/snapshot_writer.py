@@ -1,11 +1,17 @@
 """Model-only snapshots for the publisher: HF-keyed, publish dtype, DCP, renamed when whole.
 
 Writing must not stall training: :meth:`SnapshotWriter.start` only copies the weights off
-the device into host buffers it reuses (pinned on a GPU), then a background thread writes
+the device into host buffers it allocates once and reuses, then a background thread writes
 them with DCP over a gloo group of its own, in the ``dcp-safetensors/1`` format
 (:mod:`weightcast.contract.snapshot_format`, :mod:`weightcast.trainer.dcp_safetensors`). At most
 one write is in flight; the training loop asks :meth:`busy` (agreed across ranks) and skips a
 publish rather than queue it.
+
+On a GPU the cast to the publish dtype and the device-to-host copy run on a side stream into
+buffers pinned in place (``cudaHostRegister``: exactly their size, where the caching pinned
+allocator would round each up to a power of two), and an event marks their end: the next
+step's forward and backward overlap the copy, only the optimizer step waits for it
+(:meth:`SnapshotWriter.before_weights_change`), and nothing waits for the whole device.
 
 A write never leaves a partial ``step-<S>/``: everything goes to ``.tmp-step-<S>/`` first.
 When the checkpoint filesystem is full, the snapshot is skipped, counted
@@ -20,16 +26,18 @@ import shutil
 import threading
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.cuda._pin_memory_utils as pin_memory_utils
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._state_dict_utils import _create_cpu_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from weightcast.contract.durable import fsync_path, publish_dir, remove_dir, sweep, write_json
 from weightcast.contract.snapshot_format import (
@@ -83,6 +91,11 @@ class SnapshotWriter:
         self.stage_seconds = 0.0
         self.write_seconds = 0.0
         self._buffers: dict[str, Any] | None = None
+        self.buffer_allocations = 0
+        """How many times the host buffers were allocated: once per writer."""
+        self._stream: torch.cuda.Stream | None = None
+        self._copied: torch.cuda.Event | None = None
+        """Recorded on the side stream after the last staged copy (GPU weights only)."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if self.leader:
@@ -132,18 +145,47 @@ class SnapshotWriter:
         )
         self._thread.start()
 
+    def before_weights_change(self) -> None:
+        """Make the current stream wait for a staged copy still reading the weights: call it
+        before the optimizer step changes them. Nothing to wait for off the GPU."""
+        if self._copied is not None:
+            torch.cuda.current_stream().wait_event(self._copied)
+
     def _stage(self, live: dict[str, torch.Tensor]) -> dict[str, Any]:
+        on_gpu = any(_local(t).is_cuda for t in live.values())
         if self._buffers is None:
-            cast = {name: t.detach().to(self.dtype) for name, t in live.items()}
-            self._buffers = _create_cpu_state_dict(cast, pin_memory=torch.cuda.is_available())
-        for name, source in live.items():
-            _local(self._buffers[name]).copy_(_local(source).detach(), non_blocking=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+            self._buffers = {
+                name: _host_buffer(t, self.dtype, pinned=on_gpu) for name, t in live.items()
+            }
+            self.buffer_allocations += 1
+        if on_gpu:
+            self._copied = self._copy_on_side_stream(live)
+        else:
+            for name, source in live.items():
+                _local(self._buffers[name]).copy_(_local(source).detach())
         return self._buffers
+
+    def _copy_on_side_stream(self, live: dict[str, torch.Tensor]) -> torch.cuda.Event:
+        """Cast and copy every weight to its pinned buffer on a side stream, without
+        waiting; the event that marks the end of the copies."""
+        assert self._buffers is not None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream())  # the weights as the step left them
+        with torch.cuda.stream(stream):
+            for name, source in live.items():
+                local = _local(source).detach()
+                local.record_stream(stream)  # not reused while this stream reads it
+                _local(self._buffers[name]).copy_(local.to(self.dtype), non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        return copied
 
     def _write(self, state: dict[str, Any], step: int) -> None:
         try:
+            if self._copied is not None:
+                self._copied.synchronize()  # this thread waits, not the training loop
             begin = time.perf_counter()
             final = self.checkpoint_dir / snapshot_name(step)
             tmp = self.checkpoint_dir / f"{TMP_PREFIX}{final.name}"
@@ -244,6 +286,22 @@ def _free_bytes(path: Path) -> int:
         return shutil.disk_usage(path).free
     except OSError:
         return -1
+
+
+def _host_buffer(source: torch.Tensor, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """A host tensor for ``source``'s local shard in ``dtype``, pinned in place when asked
+    (exactly its size, unpinned when it is freed); a DTensor like ``source`` around it."""
+    local = _local(source)
+    buffer = torch.empty(local.shape, dtype=dtype, device="cpu")
+    if pinned and buffer.numel():
+        pin_memory_utils.pin_memory(buffer.data_ptr(), buffer.numel() * buffer.element_size())
+        weakref.finalize(buffer, pin_memory_utils.unpin_memory, buffer.data_ptr())
+    if not isinstance(source, DTensor):
+        return buffer
+    meta = TensorMeta(source.shape, source.stride(), dtype)
+    return DTensor(
+        buffer, DTensorSpec(source.device_mesh, source.placements, meta), requires_grad=False
+    )
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

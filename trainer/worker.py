@@ -90,10 +90,11 @@ class StepTotals:
     mismatch_max: float = -1.0
     """Largest log-probability difference of those tokens; -1 when there were none."""
 
-    def add_mismatch(self, mismatch: Mismatch) -> None:
-        self.mismatch_kl += mismatch.kl.item()
-        self.mismatch_tokens += mismatch.tokens
-        self.mismatch_max = max(self.mismatch_max, mismatch.max_abs.item())
+    def add_mismatch(self, kl: float, tokens: float, max_abs: float) -> None:
+        """One on-policy micro-batch's :class:`~weightcast.trainer.loss.Mismatch`, read."""
+        self.mismatch_kl += kl
+        self.mismatch_tokens += tokens
+        self.mismatch_max = max(self.mismatch_max, max_abs)
 
     def add(self, values: dict[str, float], trained: float, inputs: int, finite: bool) -> None:
         self.input_tokens += inputs
@@ -378,6 +379,10 @@ class Trainer(ForgeEngine):
         really sustains.
         """
         start = time.perf_counter()
+        # ForgeEngine turned Python's automatic GC off (it stalls ranks at random); its
+        # handler collects every ``training.gc_freq`` steps, as torchtitan's own loop does,
+        # so cycles holding pinned or device memory are freed on long runs.
+        self.gc_handler.run(self.train_state.step + 1)
         items, self.buffer = self.buffer[: plan.take], self.buffer[plan.take :]
         self.batches.begin_step([item.entry_id for item in items])
         on_policy = [self._on_policy(item.batch) for item in items]
@@ -451,8 +456,7 @@ class Trainer(ForgeEngine):
         model = self.model_parts[0]
         tokens = [trained_tokens(b) for b in batches]
         total = collectives.sum_over_ranks({"tokens": float(sum(tokens))}, self.device)["tokens"]
-        totals = StepTotals()
-        finite = []
+        figures: list[dict[str, float | torch.Tensor]] = []
         for index in range(passes):
             if index >= len(batches):
                 self._idle_pass(model)
@@ -463,22 +467,31 @@ class Trainer(ForgeEngine):
                 result = self.loss(logits, batch, self.loss_settings)
             values = {
                 **result.metrics,
-                "loss": result.loss.item(),
-                "entropy": policy_entropy(logits, batch).item(),
+                "loss": result.loss.detach(),
+                "entropy": policy_entropy(logits, batch),
             }
             if on_policy and on_policy[index]:
-                mismatch = logprob_mismatch(logits, batch)
-                if mismatch is not None:
-                    totals.add_mismatch(mismatch)
+                values.update(_mismatch_figures(logprob_mismatch(logits, batch)))
             del logits
             (result.loss * (tokens[index] * self.dp_degree / total)).backward()
-            finite.append(math.isfinite(values["loss"]))
-            totals.add(values, tokens[index], batch.num_tokens, finite[-1])
+            figures.append(values)
         grad_norm = dist_utils.clip_grad_norm_(
             [p for m in self.model_parts for p in m.parameters()],
             self.job_config.training.max_norm,
             foreach=True,
-        ).item()
+        )
+        # The step's one sync: every figure of every micro-batch and the norm, read at once.
+        *read, last = read_figures([*figures, {"grad_norm": grad_norm}], self.device)
+        grad_norm = last["grad_norm"]
+        totals = StepTotals()
+        finite = []
+        for index, values in enumerate(read):
+            finite.append(math.isfinite(values["loss"]))
+            totals.add(values, tokens[index], batches[index].num_tokens, finite[-1])
+            if "mismatch_kl" in values:
+                totals.add_mismatch(
+                    values["mismatch_kl"], values["mismatch_tokens"], values["mismatch_max"]
+                )
         totals = totals.over_ranks(self.device)
         loss_failed = totals.failed_losses > 0
         metrics = totals.means() | {"grad_norm": grad_norm, "tokens": totals.input_tokens}
@@ -486,6 +499,7 @@ class Trainer(ForgeEngine):
             self.optimizers.zero_grad()
             return StepOutcome(metrics, False, finite, loss_failed)
         metrics["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]  # this step's rate
+        self.snapshots.before_weights_change()  # a snapshot's copy may still read them
         self.optimizers.step()
         self.lr_schedulers.step()
         return StepOutcome(metrics, True, finite, loss_failed)
@@ -650,6 +664,43 @@ def _default_dist_env() -> None:
         ("MASTER_PORT", "0"),
     ):
         os.environ.setdefault(name, value)
+
+
+def _mismatch_figures(mismatch: Mismatch | None) -> dict[str, torch.Tensor]:
+    if mismatch is None:
+        return {}
+    return {
+        "mismatch_kl": mismatch.kl,
+        "mismatch_tokens": mismatch.tokens,
+        "mismatch_max": mismatch.max_abs,
+    }
+
+
+def read_figures(
+    rows: list[dict[str, float | torch.Tensor]], device: torch.device
+) -> list[dict[str, float]]:
+    """``rows`` with every 0-dim tensor read as a float, all in one device-to-host copy:
+    each ``.item()`` would wait for the device on its own. A tensor of more than one value
+    (a user's loss metric) is a :class:`ValueError` naming it."""
+    tensors = []
+    for row in rows:
+        for name, value in row.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"loss metric {name!r} is a tensor of {value.numel()} values; "
+                        "return a float or a tensor of one value"
+                    )
+                tensors.append(value)
+    host = iter(
+        torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors]).tolist()
+        if tensors
+        else []
+    )
+    return [
+        {k: next(host) if isinstance(v, torch.Tensor) else float(v) for k, v in row.items()}
+        for row in rows
+    ]
 
 
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

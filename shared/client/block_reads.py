@@ -81,7 +81,10 @@ class Window:
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """A contiguous CPU tensor's bytes, writable, for reading straight into it (keep the
-    tensor alive while the view is used)."""
+    tensor alive while the view is used). Any other device is refused: its ``data_ptr`` is
+    no host address."""
+    if tensor.device.type != "cpu":
+        raise ValueError(f"can only read into a CPU tensor, not one on {tensor.device}")
     if not tensor.numel():
         return memoryview(bytearray())
     array = (ctypes.c_ubyte * tensor.nbytes).from_address(tensor.data_ptr())

@@ -313,7 +313,8 @@ class VersionReader:
         if entry.blocks is None:
             keep = None
         parts = [_part(want, spans, f.label) for want in wants]
-        outputs = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in parts}
+        # On the CPU whatever the default device: preadv writes into these addresses.
+        outputs = {p.name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in parts}
         direct = sorted(
             (p.rect.offset, tensor_bytes(outputs[p.name])) for p in parts if p.rect.rows == 1
         )

@@ -138,3 +138,60 @@ def test_a_full_filesystem_skips_the_snapshot_counts_it_and_training_goes_on(
     writer.wait()
     assert writer.written == 1 and entries(tiny_filesystem) == ["step-3"]
     read_complete(tiny_filesystem / "step-3")
+
+
+def written(directory: Path) -> dict[str, torch.Tensor]:
+    info = read_complete(directory)
+    return load_file(str(directory / info.files[0].name))
+
+
+def test_host_buffers_are_allocated_once_and_each_snapshot_holds_its_steps_weights(
+    tmp_path: Path,
+) -> None:
+    state = hf_state(SHAPE, torch.float32)  # trained in float32, published in bfloat16
+    model = Weights(state)
+    writer = writer_for(tmp_path / "checkpoints", model)
+    writer.start(model, 1)
+    writer.wait()
+    buffers = {name: t.data_ptr() for name, t in (writer._buffers or {}).items()}
+    with torch.no_grad():
+        for tensor in model.buffers():
+            tensor.mul_(-2.0)
+    writer.start(model, 2)
+    writer.wait()
+    assert writer.buffer_allocations == 1
+    assert {name: t.data_ptr() for name, t in (writer._buffers or {}).items()} == buffers
+    live = model.to_hf(dict(model.named_buffers()))
+    for step, sign in ((1, 1.0), (2, -2.0)):
+        snapshot = written(tmp_path / "checkpoints" / f"step-{step}")
+        assert snapshot.keys() == state.keys()
+        for name, tensor in snapshot.items():
+            assert tensor.dtype == torch.bfloat16
+            assert torch.equal(tensor, (state[name] * sign).to(torch.bfloat16)), (step, name)
+    assert all(torch.equal(live[k], state[k] * -2.0) for k in state)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_copy_runs_on_a_side_stream_into_pinned_buffers(tmp_path: Path) -> None:
+    """``start`` returns while the training stream is still busy (no device-wide sync), the
+    buffers are pinned, allocated once, and the snapshot holds the weights of the moment the
+    copy was queued, even when the optimizer changes them right after."""
+    state = hf_state(SHAPE, torch.float32)
+    model = Weights(state).cuda()
+    writer = writer_for(tmp_path / "checkpoints", model)
+    for step in (1, 2):
+        torch.cuda._sleep(2_000_000_000)  # about a second of work queued on this stream
+        writer.start(model, step)
+        assert not torch.cuda.current_stream().query(), "start waited for the device"
+        writer.before_weights_change()
+        with torch.no_grad():
+            for tensor in model.buffers():
+                tensor.add_(1.0)  # the next step's update, ordered after the copy
+        writer.wait()
+    assert writer.buffer_allocations == 1
+    assert all(b.is_pinned() for b in (writer._buffers or {}).values())
+    for step in (1, 2):
+        snapshot = written(tmp_path / "checkpoints" / f"step-{step}")
+        for name, tensor in snapshot.items():
+            expected = (state[name] + (step - 1)).to(torch.bfloat16)
+            assert torch.equal(tensor, expected), (step, name)

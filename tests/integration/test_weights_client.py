@@ -239,6 +239,25 @@ def test_rank_tensors_are_vllms_rank_tensors_from_fused_and_per_rank_files(
             reader.rank_tensors(per_rank, 0, 2 * tp)
 
 
+def test_reads_land_in_host_memory_under_a_default_device_context(
+    deployment: Deployment,
+) -> None:
+    """Under ``torch.device("cuda")`` (which some vLLM versions hold around a weight update;
+    the meta device stands in for it here) a read must still target host memory: preadv
+    writes to the tensors' addresses."""
+    version = deployment.publish()
+    reader = deployment.reader()
+    expected = reader.rank_tensors(version, 0, 1)
+    whole = reader.load(version)
+    with torch.device("meta"):
+        got = reader.rank_tensors(version, 0, 1)
+        got_whole = reader.load(version)
+    for want, have in ((expected, got), (whole, got_whole)):
+        assert have.keys() == want.keys() and len(have) > 10
+        assert {t.device.type for t in have.values()} == {"cpu"}
+        assert all(torch.equal(have[name], tensor) for name, tensor in want.items())
+
+
 def test_a_rank_reads_and_verifies_only_its_own_per_rank_file(
     client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
 ) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightcast.contract.codec import MAX_ABS_ADVANTAGE, RolloutBatch
 from weightcast.trainer.loss import (
@@ -199,3 +201,105 @@ def test_the_mismatch_is_zero_on_the_trainers_own_logprobs_and_grows_with_a_wron
     off = logprob_mismatch(logits, wrong)
     assert off is not None and off.max_abs.item() == pytest.approx(0.5)
     assert off.kl.item() == pytest.approx(math.exp(0.5) - 0.5 - 1)  # k3 of that one token
+
+
+def unchunked_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """The plain computation: a float32 copy of all logits, cross-entropy keeping another."""
+    batch, seq = input_ids.shape
+    nll = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        input_ids[:, 1:].reshape(-1),
+        reduction="none",
+    )
+    return torch.nn.functional.pad(-nll.view(batch, seq - 1), (1, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [1, 7, 64, 4096])
+def test_chunked_logprobs_and_their_gradient_equal_the_unchunked_ones(
+    dtype: torch.dtype, chunk_rows: int
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(3, 40, 97, generator=gen) * 4).to(dtype).requires_grad_()
+    ids = torch.randint(0, 97, (3, 40), generator=gen)
+    upstream = torch.randn(3, 40, generator=gen)
+    got = token_logprobs(logits, ids, chunk_rows=chunk_rows)
+    want = unchunked_logprobs(logits, ids)
+    assert got.dtype == torch.float32 and got.shape == (3, 40)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-5)
+    (grad,) = torch.autograd.grad((got * upstream).sum(), logits)
+    (expected,) = torch.autograd.grad((want * upstream).sum(), logits)
+    assert grad.dtype == dtype
+    tolerance = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {}
+    torch.testing.assert_close(grad, expected, **tolerance)
+
+
+def peak_bytes(run: Callable[[], object]) -> int:
+    """The most bytes ``run`` held allocated at once on the CPU, beyond what it started
+    with (torch's profiler records every allocation and free, in order)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        run()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    held = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        held += event.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+def test_chunked_logprobs_hold_a_chunk_not_a_float32_copy_of_the_logits() -> None:
+    """bf16 logits of 2 x 512 x 8192: a float32 copy is 33.5 MB. Chunked, the forward holds
+    about a chunk of float32 rows, the backward also the gradient (in the logits' dtype)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(2, 512, 8192, generator=gen).to(torch.bfloat16).requires_grad_()
+    ids = torch.randint(0, 8192, (2, 512), generator=gen)
+    float_copy = logits.numel() * 4
+    chunk = 32 * 8192 * 4  # float32 rows: 1/32 of the copy
+
+    def chunked() -> torch.Tensor:
+        return token_logprobs(logits, ids, chunk_rows=32)
+
+    def backward(compute: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        return lambda: torch.autograd.grad(compute().sum(), logits)
+
+    gradient = logits.numel() * logits.element_size()
+    assert peak_bytes(chunked) <= 3 * chunk
+    assert peak_bytes(backward(chunked)) <= gradient + 3 * chunk
+    # The bound catches the plain computation: two float32 copies, then a third backward.
+    plain = lambda: unchunked_logprobs(logits, ids)  # noqa: E731
+    assert peak_bytes(plain) >= 1.9 * float_copy  # T - 1 rows of each
+    assert peak_bytes(backward(plain)) >= gradient + 1.9 * float_copy
+
+
+def test_a_micro_batchs_figures_never_wait_for_the_device() -> None:
+    """Loss, metrics, entropy and mismatch stay tensors: no ``.item()`` (a device sync each)
+    and no boolean indexing (``nonzero``, a sync too) until the step reads them all at once."""
+    logits, batch = make_batch([[0, 1, 1, 1], [0, 0, 1, 1]], [1.0, -1.0])
+    batch.old_logprobs = token_logprobs(logits, batch.input_ids).detach() - 0.1
+    batch.ref_logprobs = batch.old_logprobs + 0.2
+    seen = SyncingOps()
+    with seen:
+        result = grpo_loss(logits, batch, LossSettings(kl_coef=0.1))
+        figures = [*result.metrics.values(), result.loss, policy_entropy(logits, batch)]
+        mismatch = logprob_mismatch(logits, batch)
+    assert seen.ops == []
+    assert all(isinstance(f, torch.Tensor) and f.dim() == 0 for f in figures)
+    assert mismatch is not None and int(mismatch.tokens) == 5
+
+
+class SyncingOps(TorchDispatchMode):
+    """Records the ops that make a CUDA device sync with the host."""
+
+    SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "item")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        name = func.__name__.split(".")[0]
+        if name in self.SYNCING:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))

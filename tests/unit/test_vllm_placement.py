@@ -78,6 +78,25 @@ def test_loaders_fed_the_placed_part_hold_what_they_hold_from_hf_tensors(
             assert torch.equal(got[name], held), (name, rank)
 
 
+def test_a_default_device_context_does_not_move_the_placed_tensors() -> None:
+    """vLLM may run a weight update under ``torch.device("cuda")``; the meta device stands in
+    for it on a CPU: the virtual whole tensors stay on their part's device, with its bytes."""
+    shape = shape_of(4, 2, 8, hidden=16, inter=32)
+    state = hf_state(shape, torch.bfloat16)
+    plan = plan_vllm_fused({n: t.shape[0] for n, t in state.items()}, shape, 2)
+    parts = []
+    for p in plan:
+        parts.append(RankPart(p.name, rank_part(assemble(p, state), p.shard, 1, 2), p.shard))
+    expected = vllm_rank(dict(hf_tensors(parts, shape, 1, 2)), shape, 2, 1)
+    with torch.device("meta"):
+        placed = dict(hf_tensors(parts, shape, 1, 2))
+    assert {t.device.type for t in placed.values()} == {"cpu"}
+    got = vllm_rank(placed, shape, 2, 1)
+    assert got.keys() == expected.keys()
+    for name, held in expected.items():
+        assert torch.equal(got[name], held), name
+
+
 def test_whole_hf_tensors_pass_through() -> None:
     shape = shape_of(4, 2, 8, hidden=16, inter=32)
     state = hf_state(shape, torch.bfloat16)

@@ -22,27 +22,44 @@ from safetensors.torch import save_file
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 
 from conftest import HERE, flip_byte
-from vllm_helpers import ODD_VOCAB, Registry, free_port, random_state
+from vllm_helpers import ODD_VOCAB, UNTIED_BIASED, Registry, free_port, random_state
+
+MODELS = {"tied": ODD_VOCAB, "untied_biased": UNTIED_BIASED}
 
 
 @pytest.fixture(scope="module")
-def source(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    state = random_state(ODD_VOCAB, 21)
-    path = tmp_path_factory.mktemp("source") / "state.safetensors"
-    save_file(state, str(path))
-    hf = registry.publish(ODD_VOCAB, state, layout="hf")
-    return {"state": state, "file": path, "hf": hf, "model_dir": registry.versions[hf]}
+def sources(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Per model of :data:`MODELS`, made on first use: its source tensors and hf version."""
+    made: dict[str, Any] = {}
+
+    def source(model: str) -> dict[str, Any]:
+        if model not in made:
+            config = MODELS[model]
+            state = random_state(config, 21)
+            path = tmp_path_factory.mktemp("source") / "state.safetensors"
+            save_file(state, str(path))
+            hf = registry.publish(config, state, layout="hf")
+            made[model] = {
+                "config": config,
+                "state": state,
+                "file": path,
+                "hf": hf,
+                "model_dir": registry.versions[hf],
+            }
+        return made[model]
+
+    return source  # type: ignore[return-value]
 
 
 def run_ranks(
     tp: int, registry: Registry, source: dict[str, Any], tmp_path: Path
 ) -> list[dict[str, Any]]:
-    state = source["state"]
-    versions = {"hf": source["hf"], "fused": registry.publish(ODD_VOCAB, state, tp=tp)}
-    versions["wrong_tp"] = registry.publish(ODD_VOCAB, state, tp=2 if tp == 1 else 1)
+    state, config = source["state"], source["config"]
+    versions = {"hf": source["hf"], "fused": registry.publish(config, state, tp=tp)}
+    versions["wrong_tp"] = registry.publish(config, state, tp=2 if tp == 1 else 1)
     if tp > 1:
-        versions["per_rank"] = registry.publish(ODD_VOCAB, state, tp=tp, per_rank_files=True)
-        versions["rank1_corrupt"] = registry.publish(ODD_VOCAB, state, tp=tp, per_rank_files=True)
+        versions["per_rank"] = registry.publish(config, state, tp=tp, per_rank_files=True)
+        versions["rank1_corrupt"] = registry.publish(config, state, tp=tp, per_rank_files=True)
         flip_byte(registry.versions[versions["rank1_corrupt"]] / fused_rank_file(1, tp))
     spec = tmp_path / "spec.json"
     spec.write_text(
@@ -74,17 +91,23 @@ def run_ranks(
     return results
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("model", "tp"), [("tied", 1), ("tied", 2), ("tied", 4), ("untied_biased", 2)]
+)
 def test_every_rank_holds_exactly_what_vllm_loads(
-    tp: int, registry: Registry, source: dict[str, Any], tmp_path: Path
+    model: str, tp: int, registry: Registry, sources: Any, tmp_path: Path
 ) -> None:
-    results = run_ranks(tp, registry, source, tmp_path)
+    """The untied model with attention biases: vLLM's layerwise metadata records no bias,
+    and the backend refused such versions in every mode until it read the live bias."""
+    results = run_ranks(tp, registry, sources(model), tmp_path)
     layouts = ["fused", "per_rank"] if tp > 1 else ["fused"]
+    # embed, norm; 8 per layer (a fused qkv bias a 9th); an untied lm_head
+    tensors = 2 + 2 * (9 if model == "untied_biased" else 8) + (model == "untied_biased")
     for result in results:
         # The backend stages, for each rank, the parameters vLLM's loaders give it.
         for key in layouts:
             assert result["parts"][key]["wrong"] == [], (result["rank"], key)
-            assert result["parts"][key]["checked"] == 2 + 2 * 8  # embed, norm; 8 per layer
+            assert result["parts"][key]["checked"] == tensors
         # In place (a platform that keeps checkpoint-format parameters): bit for bit.
         for key in layouts:
             assert result["inplace"][key] == {"mode": "inplace", "differing": []}

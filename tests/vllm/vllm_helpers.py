@@ -69,6 +69,8 @@ TINY = qwen3_config()
 ODD_VOCAB = qwen3_config(vocab_size=1000)
 """A vocabulary that is not a multiple of 64: vLLM pads it to 1024 and the last rank's
 share is short (tp 2: 512 + 488 rows; tp 4: 256, 256, 256, 232)."""
+UNTIED_BIASED = qwen3_config(vocab_size=1000, tie_word_embeddings=False, attention_bias=True)
+"""The same with its own ``lm_head`` and q/k/v biases (fused into ``qkv_proj.bias``)."""
 
 
 def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -99,6 +101,12 @@ def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor
             f"{p}.mlp.up_proj.weight": weight(inter, h),
             f"{p}.mlp.down_proj.weight": weight(h, inter),
         }
+    for i in range(shape.num_layers if shape.attention_bias else 0):
+        p = f"model.layers.{i}.self_attn"
+        rows = {"q": shape.q_rows, "k": shape.kv_rows, "v": shape.kv_rows}
+        state |= {f"{p}.{x}_proj.bias": weight(n) for x, n in rows.items()}
+    if not shape.tie_word_embeddings:
+        state["lm_head.weight"] = weight(shape.vocab_size, h)
     return state
 
 

@@ -12,6 +12,8 @@ verify and read its own rank's part of a published version, and load it:
 * :mod:`.protocol`: what ``init_info`` and ``update_info`` carry (plain JSON).
 * :mod:`.staging`: lease, verify and read one rank's part of a version (weightcast's client).
 * :mod:`.placement`: where vLLM's own loaders expect that part (pure functions).
+* :mod:`.inplace`: the ``inplace`` load: parts copied into live parameters through pinned
+  staging (tensors only; tested on tensors shaped like vLLM's parameters).
 * :mod:`.driver`: the update sequence (pause, start, update, finish, version, resume) for a
   ``vllm serve`` over HTTP and for an ``LLM`` in this process, and the node loop behind
   ``weightcast follow --vllm-url``.

@@ -49,6 +49,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.logger import init_logger
 
 from weightcast.client.reader import VersionReader
+from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.protocol import REFUSED, InitInfo, Source, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
@@ -81,6 +82,7 @@ class WeightcastWeightTransferEngine(
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.defaults = WeightcastInitInfo()
+        self.copier = InPlaceCopier()  # its pinned staging is allocated once, on first use
         self.last_report: dict[str, Any] = {}
         """What the last update did (or why it failed), for :func:`report`."""
         self._files: VersionReader | None = None
@@ -186,7 +188,11 @@ class WeightcastWeightTransferEngine(
 
     def _checkpoint_params(self) -> dict[str, torch.Tensor]:
         """Every loadable parameter as vLLM built it, before any post-processing: meta
-        tensors with this rank's checkpoint-format shape and dtype, by qualified name."""
+        tensors with this rank's checkpoint-format shape and dtype, by qualified name.
+
+        vLLM's layerwise metadata leaves out every ``bias`` (0.32 and 0.33: a bias is built
+        after ``create_weights``, never moved to meta nor post-processed), so a module's
+        live ``bias`` parameter stands for its checkpoint format."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         found: dict[str, torch.Tensor] = {}
@@ -194,7 +200,11 @@ class WeightcastWeightTransferEngine(
             info = LAYERWISE_INFO.get(module)
             if info is None:
                 continue
-            for name, meta in info.restore_metadata[0].items():
+            recorded = dict(info.restore_metadata[0])
+            bias = module._parameters.get("bias")
+            if bias is not None and "bias" not in recorded:
+                recorded["bias"] = bias.detach().to("meta")
+            for name, meta in recorded.items():
                 found[f"{module_name}.{name}" if module_name else name] = meta
         if getattr(self.model_config.hf_config, "tie_word_embeddings", False):
             found.pop("lm_head.weight", None)  # the embedding's own parameter
@@ -260,14 +270,9 @@ class WeightcastWeightTransferEngine(
                 return False
         return True
 
-    @torch.no_grad()
     def _apply_in_place(self, staged: StagedVersion) -> None:
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for part in staged.parts:
-            param = params[part.name]
-            rows = part.tensor.shape[0]
-            param.data[:rows].copy_(part.tensor)
-            param.data[rows:].zero_()  # vocabulary padding rows: zero, as vLLM loads them
+        params = {n: p.data for n, p in self.model.named_parameters(remove_duplicate=False)}
+        self.copier.copy(params, ((part.name, part.tensor) for part in staged.parts))
 
     def _apply_layerwise(self, staged: StagedVersion, rank: int, tp: int) -> None:
         from vllm.model_executor.model_loader.reload import (

@@ -98,6 +98,6 @@ def _placed(part: torch.Tensor, whole: tuple[int, ...], dim: int, start: int) ->
     uninitialised: the loaders never read it)."""
     if tuple(part.shape) == tuple(whole):
         return part
-    buffer = torch.empty(whole, dtype=part.dtype)
+    buffer = torch.empty(whole, dtype=part.dtype, device=part.device)  # not the default device
     buffer.narrow(dim, start, part.shape[dim]).copy_(part)
     return buffer
