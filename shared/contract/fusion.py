@@ -123,40 +123,74 @@ def _config_number(config: Mapping[str, Any], name: str, default: int | None = N
     return value
 
 
+_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+"""What transformers' ``Qwen3MoeConfig`` (and so vLLM) assumes for a field left out."""
+
+
 def _moe_fields(config: Mapping[str, Any], layers: int) -> dict[str, Any]:
-    """The mixture-of-experts fields of a Qwen3-MoE ``config.json`` (none for a dense one).
+    """The mixture-of-experts fields of a Qwen3-MoE ``config.json`` (none for a dense one),
+    read as the trainer's ``hf_start`` reads them (the same messages).
 
     Qwen's own configs name the expert count ``num_experts``; transformers 5 writes
-    ``num_local_experts``. Either (both only when they agree) makes the config a MoE one.
+    ``num_local_experts``. Either, or ``model_type`` ``qwen3_moe``, makes the config a MoE one;
+    fields left out take ``Qwen3MoeConfig``'s defaults, as vLLM's engine does.
     """
-    named = {key: config[key] for key in ("num_experts", "num_local_experts") if key in config}
+    named = {"num_experts", "num_local_experts"} & set(config)
     if not named and config.get("model_type") != "qwen3_moe":
         return {}
-    if len(set(map(repr, named.values()))) > 1:
-        raise LayoutError(f"config.json: num_experts and num_local_experts disagree ({named})")
-    experts = _config_number(named, next(iter(named), "num_experts"))
-    per_token = _config_number(config, "num_experts_per_tok")
-    if per_token > experts:
+    fields = {name: config.get(name, default) for name, default in _MOE_DEFAULTS.items()}
+    if "num_local_experts" in config:
+        local = config["num_local_experts"]
+        if "num_experts" in config and local != config["num_experts"]:
+            raise LayoutError(
+                f"config.json: num_local_experts {local!r} and num_experts "
+                f"{config['num_experts']!r} differ"
+            )
+        fields["num_experts"] = local
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        _moe_number(fields, name)
+    _moe_number(fields, "decoder_sparse_step")
+    if type(fields["norm_topk_prob"]) is not bool:
         raise LayoutError(
-            f"config.json: num_experts_per_tok {per_token} exceeds the {experts} experts"
+            f"config.json: norm_topk_prob is {fields['norm_topk_prob']!r}, not true or false"
         )
-    dense = config.get("mlp_only_layers") or []
-    if (
-        not isinstance(dense, list)
-        or any(type(n) is not int or not 0 <= n < layers for n in dense)
-        or len(set(dense)) != len(dense)
-    ):
+    experts, top_k = fields["num_experts"], fields["num_experts_per_tok"]
+    if top_k > experts:
         raise LayoutError(
-            f"config.json: mlp_only_layers is {dense!r}, not distinct layer numbers below {layers}"
+            f"config.json: num_experts_per_tok {top_k} is more than num_experts {experts}"
+        )
+    listed = fields["mlp_only_layers"]
+    if not isinstance(listed, list) or not all(type(i) is int for i in listed):
+        raise LayoutError(
+            f"config.json: mlp_only_layers is {listed!r}, not a list of layer indices"
+        )
+    outside = [i for i in listed if not 0 <= i < layers]
+    if outside:
+        raise LayoutError(
+            f"config.json: mlp_only_layers names layer {outside[0]}; the model's layers are "
+            f"0 to {layers - 1}"
         )
     return {
         "num_experts": experts,
-        "num_experts_per_tok": per_token,
-        "moe_intermediate_size": _config_number(config, "moe_intermediate_size"),
-        "decoder_sparse_step": _config_number(config, "decoder_sparse_step", 1),
-        "mlp_only_layers": tuple(sorted(dense)),
-        "norm_topk_prob": _config_flag(config, "norm_topk_prob"),
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": fields["moe_intermediate_size"],
+        "decoder_sparse_step": fields["decoder_sparse_step"],
+        "mlp_only_layers": tuple(sorted(set(listed))),
+        "norm_topk_prob": fields["norm_topk_prob"],
     }
+
+
+def _moe_number(fields: Mapping[str, Any], name: str) -> None:
+    value = fields[name]
+    if type(value) is not int or value < 1:
+        raise LayoutError(f"config.json: {name} is {value!r}, not a positive integer")
 
 
 def _config_flag(config: Mapping[str, Any], name: str) -> bool:

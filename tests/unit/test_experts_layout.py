@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -163,20 +164,24 @@ def test_config_json_of_a_moe_is_read_strictly() -> None:
     renamed = {k: v for k, v in config.items() if k != "num_experts"} | {"num_local_experts": 4}
     assert ModelShape.from_hf_config(renamed) == shape
     for change, message in [
-        ({"num_local_experts": 8}, "num_experts and num_local_experts disagree"),
+        ({"num_local_experts": 8}, "num_local_experts 8 and num_experts 4 differ"),
         ({"num_experts": 0}, "num_experts is 0, not a positive integer"),
-        ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 exceeds the 4 experts"),
+        ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than num_experts 4"),
         ({"moe_intermediate_size": "16"}, "moe_intermediate_size is '16'"),
-        ({"mlp_only_layers": [3]}, "mlp_only_layers is [3], not distinct layer numbers below 3"),
-        ({"mlp_only_layers": [1, 1]}, "not distinct layer numbers"),
+        ({"moe_intermediate_size": None}, "moe_intermediate_size is None"),
+        ({"mlp_only_layers": [3]}, "mlp_only_layers names layer 3; the model's layers are 0 to 2"),
+        ({"mlp_only_layers": "1"}, "mlp_only_layers is '1', not a list of layer indices"),
         ({"norm_topk_prob": 1}, "norm_topk_prob is 1, not true or false"),
         ({"decoder_sparse_step": -1}, "decoder_sparse_step is -1"),
     ]:
-        with pytest.raises(LayoutError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(LayoutError, match=re.escape(message)):
             ModelShape.from_hf_config(config | change)
-    without = {k: v for k, v in config.items() if k != "moe_intermediate_size"}
-    with pytest.raises(LayoutError, match="lacks 'moe_intermediate_size'"):
-        ModelShape.from_hf_config(without)
+    # Fields left out take Qwen3MoeConfig's defaults, as transformers and vLLM read them.
+    bare = {k: v for k, v in config.items() if k not in ("num_experts", "moe_intermediate_size")}
+    assert (
+        ModelShape.from_hf_config(bare).num_experts,
+        ModelShape.from_hf_config(bare).moe_intermediate_size,
+    ) == (128, 768)
     dense = {k: v for k, v in config.items() if k not in ("model_type", "num_experts")}
     assert not ModelShape.from_hf_config(dense).moe
 
