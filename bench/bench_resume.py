@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.snapshot_format import read_complete
@@ -34,30 +31,23 @@ from weightcast.local.redis_server import RedisServer
 from weightcast.publisher.dcp_load import load_tensors
 from weightcast.publisher.snapshot_scan import Snapshot
 from weightcast.trainer.model import flavor_args
-from weightcast.trainer.resume import newest_checkpoint
+from weightcast.trainer.resume import newest_checkpoint, read_model_weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_trainer import run_trainer
 
 NAMESPACE = "bench-resume"
 
 
 def train(work: Path, redis_url: str, args: argparse.Namespace, steps: int, publish: int) -> list:
     """One trainer run up to ``steps`` (in all); its JSON log events."""
-    env = {
-        **os.environ,
-        "WEIGHTCAST_REDIS_URL": redis_url,
-        "WEIGHTCAST_NAMESPACE": NAMESPACE,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(work / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(work / "weights"),
-    }
-    command = [
-        *(sys.executable, "-m", "weightcast", "trainer", "--model", args.model),
-        *("--steps", str(steps), "--publish-every", str(publish)),
+    return run_trainer(
+        redis_url,
+        NAMESPACE,
+        work,
+        *("--model", args.model, "--steps", str(steps), "--publish-every", str(publish)),
         *("--seq-len", str(args.seq_len), "--resume-dir", str(work / "resume")),
-        *("--log-format", "json"),
-    ]
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"trainer failed:\n{result.stderr[-3000:]}")
-    return [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    )
 
 
 def step_seconds(events: list, warmup: int) -> list[float]:
@@ -71,14 +61,7 @@ def checkpoint_as_hf(resume: Path, model: str) -> dict[str, torch.Tensor]:
     found = newest_checkpoint(resume)
     if found is None:
         raise SystemExit(f"no complete resume checkpoint in {resume}")
-    path = found[1]
-    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    state = {
-        name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        for name, item in meta.items()
-        if hasattr(item, "size") and not name.startswith(("optimizer", "lr_scheduler", "train"))
-    }
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    state = read_model_weights(found[1])
     hf = Qwen3StateDictAdapter(flavor_args(model), None).to_hf(state)
     return {name: tensor.to(torch.bfloat16) for name, tensor in hf.items()}
 

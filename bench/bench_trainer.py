@@ -55,6 +55,23 @@ class RunResult:
     checkpoint_seconds: list[float]  # how long each resume checkpoint took to write
 
 
+def run_trainer(redis_url: str, namespace: str, run_dir: Path, *args: str) -> list[dict]:
+    """``weightcast trainer <args>`` with its snapshots and weights under ``run_dir``, to its
+    end; its JSON log events (exits naming the failure when the trainer failed)."""
+    env = {
+        **os.environ,
+        "WEIGHTCAST_REDIS_URL": redis_url,
+        "WEIGHTCAST_NAMESPACE": namespace,
+        "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+        "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
+    }
+    command = [sys.executable, "-m", "weightcast", "trainer", *args, "--log-format", "json"]
+    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"trainer failed:\n{result.stderr[-3000:]}")
+    return [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+
+
 def run_once(
     redis_url: str,
     workdir: Path,
@@ -77,36 +94,15 @@ def run_once(
         config.write_text(f'[trainer.checkpoint]\ninterval = 1\nasync_mode = "{async_mode}"\n')
     else:
         config.write_text(f"[trainer.checkpoint]\ninterval = {args.steps + 1}\n")
-    env = {
-        **os.environ,
-        "WEIGHTCAST_REDIS_URL": redis_url,
-        "WEIGHTCAST_NAMESPACE": namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "weightcast",
-        "trainer",
-        "--config",
-        str(config),
-        "--model",
-        model,
-        "--steps",
-        str(args.steps),
-        "--publish-every",
-        str(1 if snapshots else args.steps + 1),
-        "--seq-len",
-        str(args.seq_len),
-        "--log-format",
-        "json",
-    ]
-    result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+    events = run_trainer(
+        redis_url,
+        namespace,
+        run_dir,
+        *("--config", str(config), "--model", model, "--steps", str(args.steps)),
+        *("--publish-every", str(1 if snapshots else args.steps + 1)),
+        *("--seq-len", str(args.seq_len)),
+    )
     shutil.rmtree(run_dir, ignore_errors=True)
-    if result.returncode != 0:
-        raise SystemExit(f"trainer failed:\n{result.stderr[-3000:]}")
-    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
     return RunResult(
         steps=[e["seconds"] for e in events if e["event"] == "step"][args.warmup :],
         skipped=next(e["publish_skipped"] for e in events if e["event"] == "trainer stopped"),
