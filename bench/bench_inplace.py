@@ -39,23 +39,25 @@ VOCAB_PADDING = 64
 GRAPHED = "model.layers.0.self_attn.qkv_proj.weight"
 
 
-def rank_parts(shape_name: str, tp: int, flip: int) -> dict[str, torch.Tensor]:
-    """Rank 0's fused parts of a random version (``flip`` changes every value's low bits,
-    so each version differs from the last)."""
+def two_versions(shape_name: str) -> list[dict[str, torch.Tensor]]:
+    """Two random bf16 versions of the shape under HF names; the second flips every value's
+    low bits (drawn once: 0.6B takes seconds)."""
     state = random_state(SHAPES[shape_name])
-    if flip:
-        state = {n: (t.view(torch.int16) ^ flip).view(torch.bfloat16) for n, t in state.items()}
+    flipped = {n: (t.view(torch.int16) ^ 0x0101).view(torch.bfloat16) for n, t in state.items()}
+    return [state, flipped]
+
+
+def rank_parts(shape_name: str, state: dict[str, torch.Tensor], tp: int) -> dict:
+    """Rank 0's fused parts of ``state`` at ``tp`` (contiguous host tensors, as the reader
+    returns them) with each one's shard kind."""
     shape = ModelShape.from_hf_config(hf_config(SHAPES[shape_name]))
     parts = {}
     for spec in plan_vllm_fused({n: t.shape[0] for n, t in state.items()}, shape, tp):
         whole = assemble(spec, state)
         piece = rank_slice(spec.shard, list(whole.shape), 0, tp)
-        part = (
-            whole
-            if piece is None
-            else whole.narrow(piece.dim, piece.start, piece.stop - piece.start)
-        )
-        parts[spec.name] = (part.contiguous(), spec.shard.kind)
+        if piece is not None:
+            whole = whole.narrow(piece.dim, piece.start, piece.stop - piece.start)
+        parts[spec.name] = (whole.contiguous(), spec.shard.kind)
     return parts
 
 
@@ -93,8 +95,8 @@ def check(params: dict[str, torch.Tensor], parts: dict, pointers: dict[str, int]
             raise SystemExit(f"{name}: padding rows are not zero")
 
 
-def bench_tp(args: argparse.Namespace, tp: int) -> dict:
-    versions = [rank_parts(args.shape, tp, flip) for flip in (0, 0x0101)]
+def bench_tp(args: argparse.Namespace, states: list[dict[str, torch.Tensor]], tp: int) -> dict:
+    versions = [rank_parts(args.shape, state, tp) for state in states]
     params = engine_params(versions[0], args.device)
     pointers = {name: p.data_ptr() for name, p in params.items()}
     nbytes = sum(t.numel() * t.element_size() for t, _ in versions[0].values())
@@ -156,8 +158,9 @@ def main() -> None:
     results = []
     print(f"in-place load of rank 0's part, {args.shape}, device {args.device}")
     print("tp  GB      in place (s)  GB/s    blocking (s)  GB/s    speedup  graph")
+    states = two_versions(args.shape)
     for tp in args.tp:
-        row = bench_tp(args, tp)
+        row = bench_tp(args, states, tp)
         results.append(row)
         print(
             f"{tp:<3} {row['bytes'] / 1e9:6.3f}  {row['inplace_s']:12.4f}  "

@@ -54,7 +54,7 @@ def steps(dry: bool, work: Path) -> list[tuple[str, list[str], int]]:
         publish = ["bench_publisher.py", "--shapes", shape, "--rounds", rounds, "--tp", tp, *files]
         listed.append((f"publish-tp{tp}", publish, 30))
     inplace = ["bench_inplace.py", "--shape", shape, "--tp", "1", "2", "--device", device]
-    listed.append(("inplace", inplace, 30))
+    listed.append(("inplace", inplace, 40))
     for tp in ("1", "2"):
         fresh = ["bench_freshness.py", "--shape", shape, "--tp", tp, "--rounds", "1"]
         listed.append((f"freshness-tp{tp}", [*fresh, "--device", device, *files], 45))
