@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from weightcast.contract.delta import Delta
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.fusion import ModelShape, check_shapes, check_tp
@@ -37,6 +38,7 @@ from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, pl
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
+from weightcast.publisher.delta_writer import find_base, write_delta
 from weightcast.publisher.safetensors_writer import (
     NonFiniteTensor,
     OutputTensor,
@@ -64,6 +66,9 @@ class ConvertOptions:
     reader: str = READER_AUTO
     """``auto``: byte ranges when the snapshot allows, else ``dcp.load``; ``dcp-load``: always."""
     digest: str = DEFAULT_DIGEST
+    delta: bool = True
+    """Write a delta from the newest earlier version beside the version, when their plans
+    match (:mod:`weightcast.publisher.delta_writer`)."""
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,10 @@ def convert(
     tmp.mkdir(parents=True)
     try:
         files, linked = _write_files(tmp, plan, source, config, options.digest)
-        manifest = _manifest(snapshot, version, plan, files)
+        delta = _delta(weights_dir, tmp, version, plan, files, options) if options.delta else None
+        if delta is not None:
+            files.append(delta[1])
+        manifest = _manifest(snapshot, version, plan, files, delta and delta[0])
         manifest_json = manifest.to_json().encode()
         write_bytes(tmp / MANIFEST_NAME, manifest_json)
         if plan.hf_dir:
@@ -203,14 +211,39 @@ def _json_file(tmp: Path, name: str, data: object, digest: str) -> FileEntry:
     return FileEntry(name, entry.bytes, blocks=entry.blocks)
 
 
-def _manifest(
-    snapshot: Snapshot, version: int, plan: VersionPlan, files: list[FileEntry]
-) -> Manifest:
-    tensors = [
+def _delta(
+    weights_dir: Path,
+    tmp: Path,
+    version: int,
+    plan: VersionPlan,
+    files: list[FileEntry],
+    options: ConvertOptions,
+) -> tuple[Delta, FileEntry] | None:
+    """The delta from the newest earlier version, written in ``tmp``, if one can be taken."""
+    base = find_base(weights_dir, version)
+    if base is None:
+        return None
+    weights = {f.name for f in plan.listed}
+    listed = [f for f in files if f.name in weights]
+    return write_delta(tmp, listed, _tensors(plan), base, options.digest)
+
+
+def _tensors(plan: VersionPlan) -> list[TensorEntry]:
+    return [
         TensorEntry(t.name, f.name, list(t.shape), TORCH_NAMES[t.dtype], t.shard, t.rank)
         for f in plan.listed
         for t in f.tensors
     ]
+
+
+def _manifest(
+    snapshot: Snapshot,
+    version: int,
+    plan: VersionPlan,
+    files: list[FileEntry],
+    delta: Delta | None = None,
+) -> Manifest:
+    tensors = _tensors(plan)
     dtypes = {t.dtype for t in tensors}
     return Manifest(
         version=version,
@@ -224,4 +257,5 @@ def _manifest(
         tensors=tensors,
         per_rank_files=plan.per_rank_files,
         hf_dir=plan.hf_dir,
+        delta=delta,
     )

@@ -80,7 +80,7 @@ class Publisher:
         except ManifestError as exc:
             raise ConfigError(f"publisher.digest={cfg.digest}: {exc}") from None
         self.options = ConvertOptions(
-            cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader, cfg.digest
+            cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader, cfg.digest, cfg.delta
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
@@ -275,6 +275,8 @@ class Publisher:
             "snapshot_id": snapshot.info.snapshot_id,
             "snapshot_created_at": snapshot.info.created_at,
             "per_rank_files": int(manifest.per_rank_files),
+            "delta_from": manifest.delta.base_version if manifest.delta else 0,
+            "delta_bytes": manifest.delta.bytes if manifest.delta else 0,
         }
         if manifest.hf_dir:
             fields["hf_path"] = f"{path}/{manifest.hf_dir}"

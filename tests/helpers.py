@@ -125,6 +125,14 @@ def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str,
     return state
 
 
+def drift(state: dict[str, torch.Tensor], step: int, every: int = 50) -> None:
+    """Move one bf16 value in ``every`` of each tensor to its neighbour, in place: what a
+    small RL step does to a bf16 snapshot (most bytes stay; a delta is small)."""
+    for tensor in state.values():
+        flat = tensor.view(-1).view(torch.int16)
+        flat[step % every :: every] += 1
+
+
 def hf_config(shape: ModelShape) -> dict:
     return {
         "num_hidden_layers": shape.num_layers,
@@ -255,9 +263,16 @@ class Deployment:
     """The real publisher, driven one snapshot at a time, plus readers of its versions."""
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, root: Path, redis_url: str, tp: int = 1
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        root: Path,
+        redis_url: str,
+        tp: int = 1,
+        shape: ModelShape = SMALL_GQA,
     ) -> None:
         self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
+        self.shape = shape
         settings = {
             "redis_url": redis_url,
             "namespace": keys.namespace,
@@ -272,7 +287,7 @@ class Deployment:
     def publish(self) -> int:
         """Write the next snapshot and run one publisher pass: publish, evict, prune."""
         self.step += 1
-        write_snapshot(self.root / "checkpoints", self.step, SMALL_GQA)
+        write_snapshot(self.root / "checkpoints", self.step, self.shape)
         self.publisher.scan_once()
         return int(self.client.get(self.keys.latest))
 

@@ -39,6 +39,7 @@ def run_follow(config: Config) -> int:
         namespace=config.common.namespace,
         node_id=cfg.node_id,
         lease_seconds=cfg.lease_seconds,
+        keep_base=not cfg.vllm_url,  # a plain node keeps its base: the next version by delta
     )
     stop = threading.Event()
 

@@ -88,6 +88,8 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
             "behind": max(0, latest - report.version),
             "stale": "; ".join(stale),
             "error": report.error,
+            "via": report.via,
+            "read_bytes": report.read_bytes,
         }
     heartbeat: dict[str, Any] = {
         k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()
@@ -166,8 +168,9 @@ def format_status(status: dict[str, Any]) -> str:
         behind = f", {n['behind']} behind latest" if n["behind"] else ""
         stale = f"  STALE: {n['stale']}" if n["stale"] else ""
         error = f"  ERROR: {n['error']}" if n["error"] else ""
+        via = f", by {n['via']}: {_size(n['read_bytes'])} read" if n["via"] else ""
         lines.append(
-            f"  {node}: v{n['version']} (reported {n['age_s']}s ago{behind}){stale}{error}"
+            f"  {node}: v{n['version']} (reported {n['age_s']}s ago{behind}{via}){stale}{error}"
         )
     if not status["nodes"]:
         lines.append("  (none)")

@@ -70,13 +70,17 @@ class Node:
         """The newest version tried, loaded or refused: no need to try it again."""
         self.reported_at: float | None = None
         """When the version served was last reported (None: not yet)."""
+        self.via = ""
+        """How the version served was read (``delta`` or ``full``)."""
+        self.read_bytes = 0
+        """The bytes read to load it."""
 
     def report(self) -> None:
         """Report the version served when due (at once after a load, then every
         ``report_every`` seconds, so ``weightcast status`` sees the node is alive)."""
         due = self.reported_at is None or time.monotonic() - self.reported_at >= self.report_every
         if self.current and due:
-            self.client.report_loaded(self.current)
+            self.client.report_loaded(self.current, via=self.via, read_bytes=self.read_bytes)
             self.reported_at = time.monotonic()
 
     def step(self, poll: float, stop: threading.Event | None = None) -> None:
@@ -109,12 +113,17 @@ class Node:
             return None
         self.current = self.seen = version
         self.reported_at = None
+        stats = self.client.files.stats
+        self.via, self.read_bytes = stats.via, stats.bytes_read
         log.info(
             "loaded version",
             version=version,
             step=info.step,
             tensors=len(loaded.tensors),
             bytes=info.bytes,
+            via=stats.via,
+            read_bytes=stats.bytes_read,
+            full_because=stats.reason or None,
             seconds=round(time.perf_counter() - start, 3),
         )
         return loaded

@@ -7,14 +7,22 @@
    (:mod:`weightcast.client.confine`);
 2. checks ``manifest.json`` against the registry's SHA-256 before parsing it, and that every
    tensor names a plain file the manifest lists (``hf/`` files are never opened);
-3. plans the byte ranges the caller needs (a tensor-parallel rank: its rows of fused and
-   vocab-parallel tensors, whole row-parallel tensors it then takes columns of, replicated
-   tensors; or every tensor), and the blocks that cover them;
+3. plans the byte ranges the caller needs (a tensor-parallel rank: its rows of fused,
+   row-parallel (format 3) and vocab-parallel tensors, replicated tensors; a format 1 or 2
+   version's whole row-parallel tensors it then takes columns of; or every tensor), and the
+   blocks that cover them;
 4. reads those blocks (:mod:`weightcast.client.block_reads`: contiguous parts straight into
    the returned tensors, the rest through a scratch buffer), verifying each (block digests
    of format 2, or the whole-file SHA-256 of format 1) unless the node's record says a
    sibling process already did (:mod:`weightcast.client.verified`), so no byte is returned
    that was not checked.
+
+With ``keep_base`` the reader also keeps the verified blocks it read
+(:class:`~weightcast.client.delta_reads.HeldBase`), and reads the next version of the same
+part by its delta from them when the version lists one from the version held: only the
+delta's frames of those blocks are read, and every rebuilt block is verified against the new
+version's digest. Otherwise (no base, another base, a version skipped, a bad frame, a digest
+that differs) it reads the full version and :attr:`ReadStats.reason` says why.
 
 Safetensors headers are parsed defensively (:mod:`weightcast.contract.tensorfile`, the
 parser the publisher uses too) after their own blocks are verified; every size is checked
@@ -24,6 +32,7 @@ before anything is allocated.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -40,7 +49,9 @@ from weightcast.client.confine import (
     plain_name,
     registered_parts,
 )
+from weightcast.client.delta_reads import Blocks, HeldBase, capture, delta_refusal, rebuild
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
+from weightcast.contract.delta import DeltaError
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.manifest import (
     MANIFEST_NAME,
@@ -52,7 +63,16 @@ from weightcast.contract.manifest import (
 )
 from weightcast.contract.sharding import RankSlice, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
-from weightcast.contract.tensorfile import DTYPE_SIZES, TORCH_NAMES, TensorSpan
+from weightcast.contract.tensorfile import (
+    DTYPE_SIZES,
+    PREFIX_BYTES,
+    TORCH_NAMES,
+    Header,
+    HeaderError,
+    TensorSpan,
+    header_length,
+    parse_header,
+)
 from weightcast.contract.untrusted import json_object
 from weightcast.contract.version_info import VersionInfo
 
@@ -76,6 +96,10 @@ class ReadStats:
     blocks_hashed: int = 0
     blocks_trusted: int = 0
     """Blocks not hashed because the node's record says they were verified already."""
+    via: str = "full"
+    """``delta``: rebuilt from the version held and the delta's frames; ``full``: read."""
+    reason: str = ""
+    """Why a reader that keeps its base read the full version."""
 
 
 def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int) -> list[Want]:
@@ -118,13 +142,21 @@ class VersionReader:
     record in this process only.
     """
 
-    def __init__(self, weights_root: Path | str, verified_dir: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        weights_root: Path | str,
+        verified_dir: Path | str | None = None,
+        keep_base: bool = False,
+    ) -> None:
         given = Path(os.path.normpath(Path(weights_root).absolute()))
         self.root = given.resolve()
         self.root_as_given = given
         self.record = ProcessRecord() if verified_dir is None else NodeRecord(verified_dir)
         self.stats = ReadStats()
         """What the last read to finish did."""
+        self.keep_base = keep_base
+        self.base: HeldBase | None = None
+        """The verified blocks of the last version read (``keep_base``): a delta's base."""
 
     def path(self, info: VersionInfo) -> Path:
         """Where the version is on this node (inside the weights root, or a WeightsError)."""
@@ -160,22 +192,30 @@ class VersionReader:
 
     def load(self, info: VersionInfo) -> dict[str, torch.Tensor]:
         """Every tensor of the version, whole and verified."""
-        return self._read(info, whole_wants)
+        return self._read(info, whole_wants, ("whole",))
 
     def rank_tensors(
         self, info: VersionInfo, tp_rank: int, tp_size: int
     ) -> dict[str, torch.Tensor]:
         """What vLLM's rank ``tp_rank`` of ``tp_size`` holds of each tensor, verified.
 
-        Only the blocks covering that rank's byte ranges are read and verified (a whole
-        row-parallel tensor, whose columns are the rank's part; per-rank files: that rank's
-        file). Raises :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the
-        version was not fused for, :class:`WeightsError` for anything wrong on disk.
+        Only the blocks covering that rank's byte ranges are read and verified (of a format 1
+        or 2 version, a whole row-parallel tensor, whose columns are the rank's part;
+        per-rank files: that rank's file). Raises
+        :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version was not
+        fused for, :class:`WeightsError` for anything wrong on disk.
         """
-        return self._read(info, lambda manifest: rank_wants(manifest, tp_rank, tp_size))
+        return self._read(
+            info,
+            lambda manifest: rank_wants(manifest, tp_rank, tp_size),
+            ("rank", tp_rank, tp_size),
+        )
 
     def _read(
-        self, info: VersionInfo, plan: Callable[[Manifest], list[Want]]
+        self,
+        info: VersionInfo,
+        plan: Callable[[Manifest], list[Want]],
+        part: tuple[object, ...],
     ) -> dict[str, torch.Tensor]:
         stats = ReadStats()
         with self._open(info) as directory:
@@ -184,13 +224,60 @@ class VersionReader:
             by_file: dict[str, list[Want]] = {}
             for want in wants:
                 by_file.setdefault(want.entry.file, []).append(want)
-            tensors: dict[str, torch.Tensor] = {}
+            if self.keep_base:
+                stats.reason = delta_refusal(self.base, manifest, part)
+                if not stats.reason:
+                    try:
+                        tensors, rebuilt = self._read_delta(directory, manifest, by_file, stats)
+                    except DeltaError as exc:
+                        stats.reason = f"the delta failed: {exc}"
+                        self.base = None  # rebuilt in place, part way: no longer a base
+                    else:
+                        self.base = HeldBase(
+                            info.version, info.manifest_sha256, manifest, part, rebuilt
+                        )
+                        stats.via = "delta"
+                        self.stats = stats
+                        return tensors
+            held = HeldBase(info.version, info.manifest_sha256, manifest, part)
+            tensors = {}
             for name, file_wants in by_file.items():
                 entry = _file_entry(manifest, name)
+                keep = held.blocks.setdefault(name, {}) if self.keep_base else None
                 with directory.open(name, entry.bytes) as f:
-                    tensors |= self._read_file(f, _key(info), entry, file_wants, stats)
+                    tensors |= self._read_file(f, _key(info), entry, file_wants, stats, keep=keep)
+            if self.keep_base:
+                self.base = held
         self.stats = stats
         return tensors
+
+    def _read_delta(
+        self,
+        directory: VersionDir,
+        manifest: Manifest,
+        by_file: dict[str, list[Want]],
+        stats: ReadStats,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Blocks]]:
+        """The wanted tensors rebuilt from the base's blocks and the delta's frames for them,
+        every block verified (:func:`~weightcast.client.delta_reads.rebuild`), and the
+        rebuilt blocks (the next base)."""
+        assert self.base is not None and manifest.delta is not None
+        delta = manifest.delta
+        rebuilt: dict[str, Blocks] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        with directory.open(delta.file, _file_entry(manifest, delta.file).bytes) as frames:
+            for name, file_wants in by_file.items():
+                held = self.base.blocks.get(name)
+                if not held:
+                    raise DeltaError(f"the node holds no block of {name}")
+                entry = _file_entry(manifest, name)
+                base_entry = _file_entry(self.base.manifest, name)
+                blocks, read = rebuild(delta, frames, entry, base_entry, held)
+                stats.bytes_read += read
+                stats.blocks_hashed += len(blocks)
+                tensors |= _tensors_of(blocks, entry, file_wants, f"{directory.label}/{name}")
+                rebuilt[name] = blocks
+        return tensors, rebuilt
 
     def _open(self, info: VersionInfo) -> VersionDir:
         return VersionDir(self.root, registered_parts(info.path, self.root, self.root_as_given))
@@ -215,11 +302,16 @@ class VersionReader:
         wants: Sequence[Want],
         stats: ReadStats,
         everything: bool = False,
+        keep: Blocks | None = None,
     ) -> dict[str, torch.Tensor]:
         """The wanted tensors of one open file, out of verified blocks only: contiguous parts
-        are read straight into their tensors, column blocks copied out of verified windows."""
+        are read straight into their tensors, column blocks copied out of verified windows.
+        ``keep``: where to copy every block read, the header's too (a delta's base; files
+        with block digests only)."""
         check = checker(entry, self.record.known(key, entry.name, f.identity), f.label)
         spans = read_header(f, check)
+        if entry.blocks is None:
+            keep = None
         parts = [_part(want, spans, f.label) for want in wants]
         # On the CPU whatever the default device: preadv writes into these addresses.
         outputs = {p.name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in parts}
@@ -230,8 +322,11 @@ class VersionReader:
         if everything:
             blocks: Iterable[int] = range(check.block_count)
         else:
-            blocks = check.needed(p.rect.extent for p in parts)
+            header = [(0, _data_start(spans, f.size))] if keep is not None else []
+            blocks = check.needed([*header, *(p.rect.extent for p in parts)])
         for window in check.read(f, blocks, direct):
+            if keep is not None:
+                capture(window, check.starts, blocks, keep)
             for p in columns:
                 flat = outputs[p.name].view(-1).view(torch.uint8)
                 copy_rect(p.rect, window.start, window.scratch, flat)
@@ -281,6 +376,51 @@ def _verify_bytes(entry: FileEntry, data: bytes, label: str) -> None:
             entry.verify_block(index, data[slice(*entry.blocks.span(index, len(data)))])
     except ManifestError as exc:
         raise WeightsError(f"{label.rsplit('/', 1)[0]}/{exc}") from None
+
+
+def _data_start(spans: dict[str, TensorSpan], size: int) -> int:
+    """Where the header ends: the first tensor's first byte (the file's end if none)."""
+    return min((span.start for span in spans.values()), default=size)
+
+
+def _tensors_of(
+    blocks: Blocks, entry: FileEntry, wants: Sequence[Want], label: str
+) -> dict[str, torch.Tensor]:
+    """The wanted tensors of one file out of its verified ``blocks`` (block index -> bytes;
+    the header's among them): a :class:`DeltaError` if a byte they need is not there."""
+    assert entry.blocks is not None
+    starts = entry.blocks.starts
+    header = _header_of(blocks, entry, label)
+    spans = {span.name: span for span in header.tensors}
+    parts = [_part(want, spans, label) for want in wants]
+    outputs = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in parts}
+    for p in parts:
+        first, last = p.rect.extent
+        missing = [i for i in entry.blocks.block_range(first, last) if i not in blocks]
+        if missing:
+            raise DeltaError(f"{label}: the node holds no block {missing[0]} of {p.name}")
+        flat = outputs[p.name].view(-1).view(torch.uint8)
+        for index in entry.blocks.block_range(first, last):
+            copy_rect(p.rect, starts[index], memoryview(blocks[index]), flat)
+    return outputs
+
+
+def _header_of(blocks: Blocks, entry: FileEntry, label: str) -> Header:
+    """The file's header, parsed out of its first blocks."""
+    head = bytearray()
+    need = PREFIX_BYTES
+    try:
+        for index in itertools.count():
+            if len(head) >= need:
+                break
+            if index not in blocks:
+                raise DeltaError(f"{label}: the node holds no block of its header")
+            head += blocks[index].tobytes()
+            if need == PREFIX_BYTES and len(head) >= PREFIX_BYTES:
+                need += header_length(bytes(head[:PREFIX_BYTES]), entry.bytes, label)
+        return parse_header(bytes(head[PREFIX_BYTES:need]), entry.bytes, label)
+    except HeaderError as exc:
+        raise WeightsError(str(exc)) from None
 
 
 # -- what to read ------------------------------------------------------------------------

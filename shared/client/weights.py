@@ -57,7 +57,9 @@ class WeightsClient:
     resolved against it and nothing outside it is opened. ``verified_dir`` is a node-local
     directory that the node's reader processes (vLLM workers) share so that each block is
     verified once per node and version (see :mod:`weightcast.client.verified`); None keeps
-    that record in this process.
+    that record in this process. ``keep_base``: keep the verified blocks of the last version
+    read (as much memory again as its tensors) and read the next version of the same part by
+    its delta from them when it has one (:mod:`weightcast.client.delta_reads`).
     """
 
     def __init__(
@@ -69,11 +71,12 @@ class WeightsClient:
         node_id: str = "",
         lease_seconds: float = 30.0,
         verified_dir: Path | str | None = None,
+        keep_base: bool = False,
     ) -> None:
         self.redis = redis_client(redis_url)
         self.keys = Keys(namespace)
         self.node_id = node_id or default_node_id()
-        self.files = VersionReader(weights_root, verified_dir)
+        self.files = VersionReader(weights_root, verified_dir, keep_base)
         self.lease_ms = int(lease_seconds * 1000)
         self._lease = self.redis.register_script(_LEASE)
 
@@ -161,10 +164,13 @@ class WeightsClient:
         :meth:`weightcast.client.reader.VersionReader.rank_tensors`)."""
         return self.files.rank_tensors(self._info(version), tp_rank, tp_size)
 
-    def report_loaded(self, version: int, error: str = "") -> None:
+    def report_loaded(
+        self, version: int, error: str = "", via: str = "", read_bytes: int = 0
+    ) -> None:
         """Record in ``{wc}:nodes`` that this node now serves ``version`` (and why the last
-        version offered was not loaded, if it was not)."""
-        report = NodeReport(version, time.time(), error)
+        version offered was not loaded, if it was not), and how it got it (``via`` delta or
+        full, reading ``read_bytes``)."""
+        report = NodeReport(version, time.time(), error, via, read_bytes)
         self.redis.hset(self.keys.nodes, self.node_id, report.encode())
 
     def close(self) -> None:
@@ -271,8 +277,10 @@ class AsyncWeightsClient:
     ) -> dict[str, torch.Tensor]:
         return await asyncio.to_thread(self.client.rank_tensors, version, tp_rank, tp_size)
 
-    async def report_loaded(self, version: int, error: str = "") -> None:
-        await asyncio.to_thread(self.client.report_loaded, version, error)
+    async def report_loaded(
+        self, version: int, error: str = "", via: str = "", read_bytes: int = 0
+    ) -> None:
+        await asyncio.to_thread(self.client.report_loaded, version, error, via, read_bytes)
 
     async def close(self) -> None:
         await asyncio.to_thread(self.client.close)

@@ -9,9 +9,14 @@ concatenation, over ranks ``r = 0..tp-1``, of the block rank ``r`` holds:
   rank ``r`` holds kv head ``r // (tp / kv_heads)``, so the tensor has
   ``q_rows + 2 * tp * head_dim`` rows.
 * ``gate_up_proj``: ``[gate rows of r ; up rows of r]``.
+* ``o_proj`` / ``down_proj`` (``RowParallelLinear``, split along its input columns): each
+  rank's columns ``[:, r * c : (r + 1) * c]`` (``c = columns / tp``), rank after rank along
+  dim 0, a ``[tp * rows, c]`` tensor in which each rank's part is contiguous (manifest format
+  3; formats 1 and 2 stored the HF tensor, so a rank read every row for its columns).
 
-Every fused tensor is a list of row ranges of the HF source tensors (:class:`RowRange`), so a
-conversion is a re-ordering of row-major byte ranges; :func:`assemble` materialises it.
+Every fused tensor is a list of row ranges (:class:`RowRange`) or column ranges
+(:class:`ColumnRange`) of the HF source tensors, so a conversion is a re-ordering of
+row-major byte ranges; :func:`assemble` materialises it.
 Everything else keeps its HF name and value, and a tied ``lm_head`` is not written twice.
 :func:`unfuse` inverts the layout, for readers that want HF tensors back.
 """
@@ -117,6 +122,19 @@ class RowRange:
 
 
 @dataclass(frozen=True)
+class ColumnRange:
+    """Columns ``[start, stop)`` of all ``rows`` rows of the 2-D source tensor ``source``."""
+
+    source: str
+    start: int
+    stop: int
+    rows: int
+
+
+Region = RowRange | ColumnRange
+
+
+@dataclass(frozen=True)
 class FusedTensor:
     """One output tensor: the concatenation of ``pieces`` along dim 0.
 
@@ -124,7 +142,7 @@ class FusedTensor:
     """
 
     name: str
-    pieces: tuple[RowRange, ...]
+    pieces: tuple[Region, ...]
     shard: Shard
 
     @property
@@ -284,8 +302,25 @@ def plan_vllm_fused(
             continue
         if _FUSED_PART.search(name):
             raise LayoutError(f"{name} has no partner to fuse with (q_proj / gate_proj missing)")
-        planned.append(FusedTensor(name, (RowRange(name, 0, rows),), _unfused_shard(name)))
+        if _ROW_PARALLEL.search(name):
+            planned.append(_row_parallel(name, rows, shape, tp))
+        else:
+            planned.append(FusedTensor(name, (RowRange(name, 0, rows),), _unfused_shard(name)))
     return sorted(planned, key=lambda t: _natural_key(t.name))
+
+
+def _row_parallel(name: str, rows: int, shape: ModelShape, tp: int) -> FusedTensor:
+    """``o_proj`` / ``down_proj``: each rank's input columns, rank after rank (one piece of
+    whole rows at tp 1, the same bytes)."""
+    known = expected_shape(name, shape)
+    if known is None or rows != known[0]:
+        raise LayoutError(f"{name} has {rows} rows; the config implies {known and known[0]}")
+    shard = Shard.row_parallel_ranks(tp, rows)
+    if tp == 1:
+        return FusedTensor(name, (RowRange(name, 0, rows),), shard)
+    per_rank = known[1] // tp
+    pieces = tuple(ColumnRange(name, r * per_rank, (r + 1) * per_rank, rows) for r in range(tp))
+    return FusedTensor(name, pieces, shard)
 
 
 def assemble(tensor: FusedTensor, sources: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -295,7 +330,12 @@ def assemble(tensor: FusedTensor, sources: Mapping[str, torch.Tensor]) -> torch.
     """
     import torch
 
-    parts = [sources[p.source][p.start : p.stop] for p in tensor.pieces]
+    parts = [
+        sources[p.source][:, p.start : p.stop]
+        if isinstance(p, ColumnRange)
+        else sources[p.source][p.start : p.stop]
+        for p in tensor.pieces
+    ]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
 
@@ -305,7 +345,9 @@ def unfuse(
     """Invert the layout: the HF-named tensors behind published vllm-fused ones.
 
     Replicated kv heads appear once per replica; the copies must agree. A tied ``lm_head``
-    stays absent, as in HF checkpoints.
+    stays absent, as in HF checkpoints. A row-parallel tensor of a format 1 or 2 version
+    (stored as the HF tensor: ``[rows, columns]``, where format 3 has ``[tp * rows, c]``) is
+    taken as it is.
     """
     import torch
 
@@ -324,23 +366,31 @@ def unfuse(
                 f"{prefix}.gate_proj.{kind}": shape.intermediate_size,
                 f"{prefix}.up_proj.{kind}": shape.intermediate_size,
             }
+        elif _ROW_PARALLEL.search(name) and (known := expected_shape(name, shape)):
+            source_rows[name] = known[0]
         else:
             source_rows[name] = tensor.shape[0]
     sources: dict[str, dict[int, torch.Tensor]] = {}
+    dims: dict[str, int] = {}
     for plan in plan_vllm_fused(source_rows, shape, tp):
         data = tensors[plan.name]
+        old_format = _ROW_PARALLEL.search(plan.name) and data.shape[0] != plan.rows
+        if old_format and tuple(data.shape) == expected_shape(plan.name, shape):
+            sources[plan.name] = {0: data}  # format 1 or 2: the HF tensor itself
+            continue
         if data.shape[0] != plan.rows:
             raise LayoutError(f"{plan.name} has {data.shape[0]} rows; tp={tp} implies {plan.rows}")
         offset = 0
         for piece in plan.pieces:
             block = data[offset : offset + piece.rows]
             offset += piece.rows
+            dims[piece.source] = 1 if isinstance(piece, ColumnRange) else 0
             seen = sources.setdefault(piece.source, {})
             if piece.start in seen and not torch.equal(seen[piece.start], block):
                 raise LayoutError(f"replicas of {piece.source} rows {piece.start}.. disagree")
             seen[piece.start] = block
     return {
-        name: torch.cat([block for _, block in sorted(blocks.items())])
+        name: torch.cat([block for _, block in sorted(blocks.items())], dim=dims.get(name, 0))
         for name, blocks in sources.items()
     }
 
@@ -348,8 +398,6 @@ def unfuse(
 def _unfused_shard(name: str) -> Shard:
     if name in _VOCAB:
         return Shard(ShardKind.VOCAB_PARALLEL)
-    if _ROW_PARALLEL.search(name):
-        return Shard(ShardKind.ROW_PARALLEL)
     return Shard(ShardKind.REPLICATED)
 
 

@@ -3,7 +3,7 @@
 It lists every file with its size and digests and every tensor with its shape, dtype, file
 and how vLLM shards it. Readers verify what they read against it before using any of it.
 
-Digests. Format 2 (:data:`MANIFEST_FORMAT`) splits each file into blocks of
+Digests. Formats 2 and 3 (:data:`MANIFEST_FORMAT`) split each file into blocks of
 ``block_bytes`` (:data:`BLOCK_BYTES`, 4 MiB; the last block may be shorter) and lists one
 digest per block (:class:`BlockDigests`), so that a writer hashes blocks in parallel with
 its writes and a reader verifies exactly the blocks it reads (a tensor-parallel rank reads a
@@ -28,15 +28,18 @@ from functools import cached_property
 from pathlib import Path
 from typing import Protocol
 
+from weightcast.contract.delta import Delta, delta_from_json
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED
 from weightcast.contract.sharding import Shard, ShardKind
 from weightcast.contract.tensorfile import TORCH_NAMES, nbytes, safetensors_dtype
-from weightcast.contract.untrusted import Fields, json_object
+from weightcast.contract.untrusted import Fields, json_object, shown
 
 MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "weightcast.manifest/2"
-MANIFEST_FORMATS = ("weightcast.manifest/1", MANIFEST_FORMAT)
+MANIFEST_FORMAT = "weightcast.manifest/3"
+MANIFEST_FORMATS = ("weightcast.manifest/1", "weightcast.manifest/2", MANIFEST_FORMAT)
+"""The formats this weightcast reads. Format 3 stores row-parallel tensors per rank
+(``row_parallel_ranks``); a node older than it refuses a format 3 version."""
 BLOCK_BYTES = 4 * 1024 * 1024
 DEFAULT_DIGEST = "xxh3-128"
 DIGESTS = ("xxh3-128", "blake3")
@@ -200,6 +203,8 @@ class Manifest:
     hf_dir: str | None = None
     """Set when the version also holds the plain HF layout in this subdirectory (``hf``)."""
     format: str = MANIFEST_FORMAT
+    delta: Delta | None = None
+    """The delta from an earlier version written beside this one (format 3), if any."""
 
     @property
     def total_bytes(self) -> int:
@@ -218,7 +223,10 @@ class Manifest:
         :class:`ManifestError` naming the field."""
         raw = json_object(text, MANIFEST_NAME, ManifestError)
         if raw.get("format") not in MANIFEST_FORMATS:
-            raise ManifestError(f"unknown manifest format {raw.get('format')!r}")
+            raise ManifestError(
+                f"manifest format {shown(raw.get('format'))} is not one this weightcast reads "
+                f"({', '.join(MANIFEST_FORMATS)}): upgrade weightcast on this node"
+            )
         top = Fields(raw, "", ManifestError, _names(cls))
         files = [_file_entry(f, i) for i, f in enumerate(top.items("files"))]
         by_name = {f.name: f for f in files}
@@ -229,7 +237,8 @@ class Manifest:
             tp=top.integer("tp", minimum=1),
             per_rank_files=top.flag("per_rank_files", False),
         )
-        return cls(
+        delta = top.value("delta", None)
+        manifest = cls(
             version=top.integer("version"),
             step=top.integer("step"),
             run_id=top.text("run_id"),
@@ -244,7 +253,11 @@ class Manifest:
             per_rank_files=context.per_rank_files,
             hf_dir=top.optional_text("hf_dir"),
             format=top.text("format"),
+            delta=None if delta is None else delta_from_json(delta, ManifestError),
         )
+        if manifest.delta is not None:
+            _check_delta(manifest.delta, manifest.version, by_name)
+        return manifest
 
     @classmethod
     def read(cls, directory: Path) -> Manifest:
@@ -258,6 +271,26 @@ class _Context:
     layout: str
     tp: int
     per_rank_files: bool
+
+
+def _check_delta(delta: Delta, version: int, files: dict[str, FileEntry]) -> None:
+    """The delta's file is listed with its size, and it has a frame length for every block
+    of each weights file it covers."""
+    if delta.base_version >= version:
+        raise ManifestError(f"delta.base_version {delta.base_version} is not before {version}")
+    listed = files.get(delta.file)
+    if listed is None or listed.bytes != delta.bytes:
+        raise ManifestError(
+            f"delta.file {delta.file!r} is not listed with the {delta.bytes} bytes of its frames"
+        )
+    for index, entry in enumerate(delta.files):
+        target = files.get(entry.name)
+        blocks = None if target is None else target.blocks
+        if blocks is None or len(entry.lengths) != len(blocks.digests):
+            raise ManifestError(
+                f"delta.files[{index}] ({entry.name}) is not a listed file with block digests "
+                f"and one frame length per block"
+            )
 
 
 def _names(cls: type) -> list[str]:

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 from weightcast.contract.untrusted import json_object
 
+VIAS = ("", "delta", "full")
+"""How a node got the version it serves (empty: a node that does not say)."""
+
 
 @dataclass(frozen=True)
 class NodeReport:
@@ -22,11 +25,17 @@ class NodeReport:
     """Unix time of the report."""
     error: str = ""
     """Why the last version offered was not loaded (``follow --vllm-url``); empty if it was."""
+    via: str = ""
+    """How the version served was read: ``delta``, ``full`` (empty: not said, older nodes)."""
+    read_bytes: int = 0
+    """The bytes read to load it (the delta's frames, or the version's blocks)."""
 
     def encode(self) -> str:
         record: dict[str, object] = {"version": self.version, "at": self.at}
         if self.error:
             record["error"] = self.error
+        if self.via:
+            record |= {"via": self.via, "read_bytes": self.read_bytes}
         return json.dumps(record)
 
     @classmethod
@@ -41,4 +50,9 @@ class NodeReport:
             raise ValueError(f"the node record's time {at!r} is not a number")
         if not isinstance(error, str):
             raise ValueError(f"the node record's error {error!r} is not a string")
-        return cls(version, float(at), error)
+        via, read_bytes = record.get("via", ""), record.get("read_bytes", 0)
+        if via not in VIAS:
+            raise ValueError(f"the node record's via {via!r} is not one of delta, full")
+        if type(read_bytes) is not int or read_bytes < 0:
+            raise ValueError(f"the node record's read_bytes {read_bytes!r} is not an integer >= 0")
+        return cls(version, float(at), error, via, read_bytes)

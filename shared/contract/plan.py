@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import FusedTensor, ModelShape, RowRange, plan_vllm_fused
+from weightcast.contract.fusion import (
+    ColumnRange,
+    FusedTensor,
+    ModelShape,
+    Region,
+    RowRange,
+    plan_vllm_fused,
+)
 from weightcast.contract.layout import (
     FUSED_WEIGHTS_FILE,
     HF_DIR,
@@ -25,18 +32,6 @@ from weightcast.contract.tensorfile import nbytes
 
 HF_SHARD_BYTES = 5 * 10**9
 """transformers' default ``max_shard_size`` ("5GB")."""
-
-
-@dataclass(frozen=True)
-class ColumnRange:
-    """Columns ``[start, stop)`` of every row of the 2-D source tensor ``source``."""
-
-    source: str
-    start: int
-    stop: int
-
-
-Region = RowRange | ColumnRange
 
 
 @dataclass(frozen=True)
@@ -140,8 +135,9 @@ def _fused_whole(p: FusedTensor, sources: Mapping[str, tuple[str, Sequence[int]]
     dtypes = {sources[piece.source][0] for piece in p.pieces}
     if len(dtypes) != 1:
         raise LayoutError(f"{p.name}: its parts have different dtypes {sorted(dtypes)}")
-    first = tuple(sources[p.pieces[0].source][1])
-    return PlannedTensor(p.name, dtypes.pop(), (p.rows, *first[1:]), p.pieces, p.shard)
+    first, piece = tuple(sources[p.pieces[0].source][1]), p.pieces[0]
+    trailing = (piece.stop - piece.start,) if isinstance(piece, ColumnRange) else first[1:]
+    return PlannedTensor(p.name, dtypes.pop(), (p.rows, *trailing), p.pieces, p.shard)
 
 
 def _rank_part(whole: PlannedTensor, rank: int, tp: int) -> PlannedTensor:
@@ -149,25 +145,25 @@ def _rank_part(whole: PlannedTensor, rank: int, tp: int) -> PlannedTensor:
     part = rank_slice(whole.shard, whole.shape, rank, tp)
     if part is None:
         return PlannedTensor(whole.name, whole.dtype, whole.shape, whole.regions, whole.shard, rank)
-    if part.dim == 0:
-        regions = _rows_of(whole.regions, part.start, part.stop)
-        size = (part.stop - part.start, *whole.shape[1:])
-    elif len(whole.regions) == 1 and len(whole.shape) == 2 and part.dim == 1:
-        regions = (ColumnRange(whole.regions[0].source, part.start, part.stop),)
-        size = (whole.shape[0], part.stop - part.start)
-    else:
+    if part.dim != 0:
         raise LayoutError(f"{whole.name}: cannot split along dim {part.dim}")
+    regions = _rows_of(whole.name, whole.regions, part.start, part.stop)
+    size = (part.stop - part.start, *whole.shape[1:])
     return PlannedTensor(whole.name, whole.dtype, size, regions, whole.shard, rank)
 
 
-def _rows_of(regions: Sequence[Region], start: int, stop: int) -> tuple[Region, ...]:
-    """Rows ``[start, stop)`` of the concatenation of row ``regions``."""
+def _rows_of(name: str, regions: Sequence[Region], start: int, stop: int) -> tuple[Region, ...]:
+    """Rows ``[start, stop)`` of the concatenation of ``regions``: parts of row ranges, and
+    column ranges whole (a rank's part never cuts one)."""
     out: list[Region] = []
     at = 0
     for region in regions:
-        assert isinstance(region, RowRange)
         lo, hi = max(start, at), min(stop, at + region.rows)
-        if lo < hi:
+        if lo < hi and isinstance(region, ColumnRange):
+            if (lo, hi) != (at, at + region.rows):
+                raise LayoutError(f"{name}: rows {start}..{stop} cut a rank's columns")
+            out.append(region)
+        elif lo < hi:
             first = region.start + lo - at
             out.append(RowRange(region.source, first, first + hi - lo))
         at += region.rows

@@ -30,38 +30,51 @@ class ShardKind(enum.StrEnum):
     VOCAB_PARALLEL = "vocab_parallel"
     """Rows of the padded vocabulary (``VocabParallelEmbedding``)."""
     ROW_PARALLEL = "row_parallel"
-    """Input columns (``RowParallelLinear``: ``o_proj``, ``down_proj``)."""
+    """Input columns (``RowParallelLinear``: ``o_proj``, ``down_proj``), strided: the HF
+    tensor as it is (manifest formats 1 and 2)."""
+    ROW_PARALLEL_RANKS = "row_parallel_ranks"
+    """``RowParallelLinear`` laid out per rank (format 3): each rank's input columns, a
+    ``[out_rows, columns / tp]`` part, rank after rank along dim 0, so that a rank's part is
+    one contiguous range."""
     REPLICATED = "replicated"
     """Every rank holds all of it."""
     HF = "hf"
     """A whole HF tensor; vLLM's own loaders take each rank's share."""
 
 
-FUSED_KINDS = (ShardKind.QKV, ShardKind.GATE_UP)
+FUSED_KINDS = (ShardKind.QKV, ShardKind.GATE_UP, ShardKind.ROW_PARALLEL_RANKS)
+"""Kinds laid out for one tp, each rank's ``rank_rows`` rows after the previous rank's."""
 _DIMS = {
     ShardKind.QKV: 0,
     ShardKind.GATE_UP: 0,
+    ShardKind.ROW_PARALLEL_RANKS: 0,
     ShardKind.VOCAB_PARALLEL: 0,
     ShardKind.ROW_PARALLEL: 1,
 }
-_ROW_FIELDS = {ShardKind.QKV: ("q_rows", "kv_rows"), ShardKind.GATE_UP: ("gate_rows",)}
+_ROW_FIELDS = {
+    ShardKind.QKV: ("q_rows", "kv_rows"),
+    ShardKind.GATE_UP: ("gate_rows",),
+    ShardKind.ROW_PARALLEL_RANKS: ("out_rows",),
+}
 
 
 @dataclass(frozen=True)
 class Shard:
     """A tensor's shard spec. Fused kinds carry the tp they were laid out for and each rank's
-    rows: ``q_rows`` and ``kv_rows`` (qkv: ``rank_rows = q_rows + 2 * kv_rows``) or
-    ``gate_rows`` (gate_up: ``rank_rows = 2 * gate_rows``)."""
+    rows: ``q_rows`` and ``kv_rows`` (qkv: ``rank_rows = q_rows + 2 * kv_rows``),
+    ``gate_rows`` (gate_up: ``rank_rows = 2 * gate_rows``) or ``out_rows`` (row_parallel_ranks:
+    the HF tensor's rows, ``rank_rows = out_rows``)."""
 
     kind: ShardKind
     tp: int | None = None
     q_rows: int | None = None
     kv_rows: int | None = None
     gate_rows: int | None = None
+    out_rows: int | None = None
 
     def __post_init__(self) -> None:
         numbers = {"tp", *_ROW_FIELDS.get(self.kind, ())} if self.fused else set()
-        for name in ("tp", "q_rows", "kv_rows", "gate_rows"):
+        for name in ("tp", "q_rows", "kv_rows", "gate_rows", "out_rows"):
             if (getattr(self, name) is None) == (name in numbers):
                 raise LayoutError(
                     f"a {self.kind} shard {'needs' if name in numbers else 'has no'} {name}"
@@ -74,6 +87,10 @@ class Shard:
     @classmethod
     def gate_up(cls, tp: int, gate_rows: int) -> Shard:
         return cls(ShardKind.GATE_UP, tp=tp, gate_rows=gate_rows)
+
+    @classmethod
+    def row_parallel_ranks(cls, tp: int, out_rows: int) -> Shard:
+        return cls(ShardKind.ROW_PARALLEL_RANKS, tp=tp, out_rows=out_rows)
 
     @property
     def dim(self) -> int | None:
@@ -89,6 +106,8 @@ class Shard:
         """The rows each rank holds of a fused tensor (0 for other kinds)."""
         if self.kind == ShardKind.QKV:
             return (self.q_rows or 0) + 2 * (self.kv_rows or 0)
+        if self.kind == ShardKind.ROW_PARALLEL_RANKS:
+            return self.out_rows or 0
         return 2 * (self.gate_rows or 0)
 
     def as_json(self) -> dict[str, Any]:
@@ -150,7 +169,7 @@ _KIND_NAMES = ", ".join(kind.value for kind in ShardKind)
 def _check_dims(shard: Shard, shape: Sequence[int]) -> None:
     if shard.dim is not None and len(shape) <= shard.dim:
         raise LayoutError(f"a {shard.kind} tensor of shape {list(shape)} has no dim {shard.dim}")
-    if shard.kind == ShardKind.ROW_PARALLEL and len(shape) != 2:
+    if shard.kind in (ShardKind.ROW_PARALLEL, ShardKind.ROW_PARALLEL_RANKS) and len(shape) != 2:
         raise LayoutError(f"a {shard.kind} tensor is a matrix, not {list(shape)}")
 
 

@@ -37,6 +37,10 @@ class VersionInfo:
     manifest_sha256: str
     run_id: str
     created_at: float
+    delta_from: int = 0
+    """The version whose delta was written beside this one (0: none, or an older publisher)."""
+    delta_bytes: int = 0
+    """The size of that delta."""
 
     @classmethod
     def from_fields(cls, version: int, raw: Mapping[bytes | str, bytes | str]) -> VersionInfo:
@@ -46,6 +50,8 @@ class VersionInfo:
         for item in dataclasses.fields(cls):
             if item.name == "version":
                 continue
+            if item.name not in fields and item.default is not dataclasses.MISSING:
+                continue  # written from format 3 on; older entries have none
             if item.name not in fields:
                 raise WeightsError(f"registry entry of version {version} has no {item.name!r}")
             try:
@@ -62,6 +68,11 @@ class VersionInfo:
             )
         if info.tp < 1:
             raise WeightsError(f"registry entry of version {version}: tp is {info.tp}, not >= 1")
+        if info.delta_from >= version or (info.delta_bytes and not info.delta_from):
+            raise WeightsError(
+                f"registry entry of version {version}: delta_from {info.delta_from} with "
+                f"delta_bytes {info.delta_bytes} (a delta comes from an earlier version)"
+            )
         return info
 
     def as_fields(self) -> dict[str, str]:

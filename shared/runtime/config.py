@@ -321,6 +321,12 @@ class PublisherConfig:
         flag="--digest",
         choices=DIGESTS,
     )
+    delta: bool = setting(
+        True,
+        "write beside each version a delta from the previous one (XOR + zstd per digest "
+        "block) when their layouts match; nodes that hold the previous version read only it",
+        flag="--delta",
+    )
     leader_ttl_seconds: float = setting(
         10.0,
         "TTL of the publisher lock; a standby takes over within it when the leader dies",

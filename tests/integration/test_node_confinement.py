@@ -331,7 +331,8 @@ MALFORMED_MANIFESTS = {
     ),
     "unknown format": (
         lambda v: edit_manifest(v, lambda m: m.update(format="weightcast.manifest/9")),
-        "unknown manifest format",
+        "manifest format 'weightcast.manifest/9' is not one this weightcast reads "
+        r"\(weightcast.manifest/1, weightcast.manifest/2, weightcast.manifest/3\): upgrade",
     ),
     "a file's size is wrong": (
         lambda v: edit_manifest(v, grow_first_file),

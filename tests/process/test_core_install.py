@@ -1,8 +1,9 @@
 """The light client install: ``pip install weightcast`` (no extras) in a venv of its own.
 
-An inference node or a rollout producer installs only the core: redis, safetensors, xxhash and
-torch. The venv is built from a wheel of this checkout (the main venv is an editable install,
-so both kinds are exercised); it is reused while pyproject.toml is unchanged.
+An inference node or a rollout producer installs only the core: redis, safetensors, xxhash,
+numpy, zstandard and torch. The venv is built from a wheel of this checkout (the main venv is
+an editable install, so both kinds are exercised); it is reused while pyproject.toml is
+unchanged.
 """
 
 from __future__ import annotations

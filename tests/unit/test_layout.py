@@ -102,8 +102,8 @@ def test_rank_slice_of_every_tensor_is_what_vllm_loads_on_that_rank(model: str, 
                 loaded = vocab_parallel_rank(tensor, tp, rank)
                 expected = loaded[: mine.shape[0]]
                 assert not loaded[mine.shape[0] :].any(), "rows past the vocabulary are padding"
-            elif kind == "row_parallel":
-                expected = row_parallel_rank(tensor, tp, rank)
+            elif kind == "row_parallel_ranks":  # vLLM's loader on the HF tensor
+                expected = row_parallel_rank(state[p.name], tp, rank)
             else:
                 expected = tensor
             assert torch.equal(mine, expected), f"{p.name} rank {rank}"
@@ -132,6 +132,10 @@ def test_unfuse_recovers_the_hf_tensors(tp: int) -> None:
     state = hf_state(shape)
     recovered = unfuse(fuse(state, shape, tp), shape, tp)
     assert recovered.keys() == state.keys()
+    assert all(torch.equal(recovered[k], state[k]) for k in state)
+    older = fuse(state, shape, tp)  # format 1 or 2: row-parallel tensors stored as in HF
+    older |= {k: v for k, v in state.items() if k.endswith(("o_proj.weight", "down_proj.weight"))}
+    recovered = unfuse(older, shape, tp)
     assert all(torch.equal(recovered[k], state[k]) for k in state)
 
 
@@ -207,7 +211,13 @@ def test_manifest_shard_specs_say_how_vllm_splits_each_tensor() -> None:
         "kv_rows": 4,
     }
     assert plan["model.layers.0.mlp.gate_up_proj.weight"]["rank_rows"] == 4
-    assert plan["model.layers.0.self_attn.o_proj.weight"] == {"kind": "row_parallel", "dim": 1}
+    assert plan["model.layers.0.self_attn.o_proj.weight"] == {
+        "kind": "row_parallel_ranks",
+        "dim": 0,
+        "tp": 16,
+        "rank_rows": shape.hidden_size,
+        "out_rows": shape.hidden_size,
+    }
     assert plan["lm_head.weight"]["kind"] == "vocab_parallel"
     assert plan["model.layers.0.self_attn.q_norm.weight"] == {"kind": "replicated"}
 

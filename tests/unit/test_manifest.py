@@ -64,8 +64,21 @@ def test_format_1_and_format_2_manifests_verify_and_find_damage(tmp_path: Path) 
     read_back = Manifest.from_json(manifest.to_json())
     assert read_back.files == manifest.files
     verify_files(tmp_path, read_back)
-    legacy = manifest.to_json().replace("weightcast.manifest/2", "weightcast.manifest/1")
-    verify_files(tmp_path, Manifest.from_json(legacy))
+    for older in ("weightcast.manifest/1", "weightcast.manifest/2"):
+        legacy = manifest.to_json().replace("weightcast.manifest/3", older)
+        verify_files(tmp_path, Manifest.from_json(legacy))
     (tmp_path / "b.bin").write_bytes(b"y" * 99 + b"z")
     with pytest.raises(ManifestError, match=r"b\.bin: bytes 0\.\.100 do not match"):
         verify_files(tmp_path, read_back)
+
+
+def test_a_newer_manifest_format_tells_the_operator_to_upgrade_the_node() -> None:
+    manifest = Manifest(1, 1, "run", "snap", "vllm-fused", 1, "bfloat16")
+    newer = manifest.to_json().replace("weightcast.manifest/3", "weightcast.manifest/4")
+    with pytest.raises(
+        ManifestError,
+        match=r"manifest format 'weightcast.manifest/4' is not one this weightcast reads "
+        r"\(weightcast.manifest/1, weightcast.manifest/2, weightcast.manifest/3\): "
+        r"upgrade weightcast on this node",
+    ):
+        Manifest.from_json(newer)

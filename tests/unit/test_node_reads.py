@@ -86,6 +86,15 @@ def test_a_registry_entry_is_parsed_with_errors_naming_the_field() -> None:
         VersionInfo.from_fields(3, {k: v for k, v in fields.items() if k != "path"})
     with pytest.raises(WeightsError, match="bytes is 'lots', not a int"):
         VersionInfo.from_fields(3, {**fields, "bytes": "lots"})
+    assert (info.delta_from, info.delta_bytes) == (0, 0)  # an older publisher writes neither
+    delta = {**fields, "delta_from": "2", "delta_bytes": "40"}
+    assert VersionInfo.from_fields(3, delta).delta_from == 2
+    with pytest.raises(WeightsError, match="delta_from is '-1', not a int"):
+        VersionInfo.from_fields(3, {**delta, "delta_from": "-1"})
+    with pytest.raises(WeightsError, match="delta_from 3 with delta_bytes 40"):
+        VersionInfo.from_fields(3, {**delta, "delta_from": "3"})
+    with pytest.raises(WeightsError, match="delta_from 0 with delta_bytes 40"):
+        VersionInfo.from_fields(3, {**delta, "delta_from": "0"})
 
 
 def raising(exc: Exception) -> Callable[[], None]:

@@ -11,7 +11,11 @@ from weightcast.contract.nodes import NodeReport
 
 
 def test_a_report_reads_back_as_written() -> None:
-    for report in (NodeReport(3, 1700000000.5), NodeReport(0, 1.0, "v4 not loaded: bad shape")):
+    for report in (
+        NodeReport(3, 1700000000.5),
+        NodeReport(0, 1.0, "v4 not loaded: bad shape"),
+        NodeReport(5, 2.0, via="delta", read_bytes=4096),
+    ):
         assert NodeReport.parse(report.encode()) == report
     assert json.loads(NodeReport(3, 2.0).encode()) == {"version": 3, "at": 2.0}  # no error key
 
@@ -27,6 +31,8 @@ def test_a_report_reads_back_as_written() -> None:
         ('{"version": 1}', "time None"),
         ('{"version": 1, "at": "now"}', "time 'now'"),
         ('{"version": 1, "at": 1, "error": 5}', "error 5"),
+        ('{"version": 1, "at": 1, "via": "rsync"}', "via 'rsync' is not one of delta, full"),
+        ('{"version": 1, "at": 1, "via": "full", "read_bytes": 1.5}', "read_bytes 1.5"),
     ],
 )
 def test_what_no_node_writes_is_refused_with_the_reason(data: str, message: str) -> None:

@@ -20,6 +20,7 @@ SHARDS = [
     Shard.gate_up(4, 16),
     Shard(ShardKind.VOCAB_PARALLEL),
     Shard(ShardKind.ROW_PARALLEL),
+    Shard.row_parallel_ranks(2, 4),
     Shard(ShardKind.REPLICATED),
     Shard(ShardKind.HF),
 ]
@@ -40,6 +41,13 @@ def test_the_recorded_spec_is_the_manifest_format_older_readers_know() -> None:
         "gate_rows": 16,
     }
     assert Shard(ShardKind.ROW_PARALLEL).as_json() == {"kind": "row_parallel", "dim": 1}
+    assert Shard.row_parallel_ranks(8, 16).as_json() == {
+        "kind": "row_parallel_ranks",
+        "dim": 0,
+        "tp": 8,
+        "rank_rows": 16,
+        "out_rows": 16,
+    }
     assert Shard(ShardKind.REPLICATED).as_json() == {"kind": "replicated"}
 
 
@@ -77,6 +85,11 @@ def test_a_malformed_shard_spec_is_refused_naming_the_field(raw: object, message
         (Shard(ShardKind.ROW_PARALLEL), [4], True, "has no dim 1"),
         (Shard(ShardKind.ROW_PARALLEL), [4, 4, 4], False, "is a matrix, not [4, 4, 4]"),
         (Shard(ShardKind.ROW_PARALLEL), [4, 3], True, "tp=2 does not divide the 3 input columns"),
+        (Shard.row_parallel_ranks(2, 4), [8, 3], True, None),
+        (Shard.row_parallel_ranks(2, 4), [4, 3], False, None),
+        (Shard.row_parallel_ranks(2, 4), [4, 3], True, "2 ranks of 4 rows do not make 4 rows"),
+        (Shard.row_parallel_ranks(2, 4), [8, 3], False, "a rank's part of 4 rows for tp=2"),
+        (Shard.row_parallel_ranks(2, 4), [8], True, "is a matrix, not [8]"),
         (Shard(ShardKind.VOCAB_PARALLEL), [], True, "has no dim 0"),
         (Shard(ShardKind.REPLICATED), [], True, None),
         (Shard(ShardKind.HF), [7], True, None),
@@ -94,6 +107,7 @@ def test_a_shard_spec_must_fit_its_tensor(
 
 def test_no_rank_slice_reaches_past_its_tensor() -> None:
     assert rank_slice(Shard.qkv(2, 4, 2), [16, 3], 1, 2) == RankSlice(0, 8, 16)
+    assert rank_slice(Shard.row_parallel_ranks(4, 3), [12, 5], 2, 4) == RankSlice(0, 6, 9)
     with pytest.raises(LayoutError, match="do not make 128 rows"):
         rank_slice(Shard.qkv(1, 4092, 2), [128], 0, 1)  # the norm sharded as qkv of 4096
     with pytest.raises(LayoutError, match="a hf tensor has no rank slices"):

@@ -1,6 +1,7 @@
 """A real CPU ``vllm.LLM`` updated through the ``weightcast`` backend, against fresh engines.
 
-Versions come from the real publisher. After each update the engine's greedy tokens and
+Versions come from the real publisher (with deltas: an update by delta is checked the same
+way). After each update the engine's greedy tokens and
 prompt log-probabilities equal, exactly, those of a stock engine started fresh from the same
 version's ``hf`` layout; a version the engine must not load is refused with the reason, and
 the engine keeps serving, exactly, what it served before.
@@ -53,6 +54,9 @@ def test_updates_equal_fresh_engines_exactly(
         (only,) = worker_reports(engine)
         assert only["version"] == tiny.number[name] and only["mode"] == "layerwise"  # CPU
         assert only["bytes"] == sum(t.nbytes for t in tiny.states[name].values())
+        # C's delta is from B, which the worker then holds: C loads by delta (rebuilt on the
+        # host from the rank's base, verified); B's delta is from A, which it never held.
+        assert only["via"] == ("delta" if name == "C" else "full"), name
     swap(engine, tiny.number["A-hf"])  # the plain hf layout loads through the backend too
     assert greedy(engine.llm) == fresh["A"]
     assert worker_reports(engine)[0]["layout"] == "hf"

@@ -118,16 +118,15 @@ def test_every_rank_holds_exactly_what_vllm_loads(
             assert update["mode"] == "layerwise" and update["live_qkv_shape"] == [0]
             assert update["differing"] == [], (result["rank"], key)
             assert update["unchanged"] == [], (result["rank"], key)  # dummy -> real weights
-        # Stock load_weights takes the fused names without a word, right only at tp=1.
+        # Stock load_weights takes the fused names, right only at tp=1. At tp > 1 the
+        # row-parallel tensors ([tp * rows, columns / tp], format 3) trip RowParallelLinear's
+        # loader (its shape assertion on rank 0, a narrow past the columns on the others),
+        # after the fused tensors before them were loaded wrong.
         stock = result["stock_fused"]
-        assert stock["raised"] is None
         if tp == 1:
-            assert stock["differing"] == []
+            assert stock["raised"] is None and stock["differing"] == []
         else:
-            assert stock["differing"] and all(
-                name.endswith((".qkv_proj.weight", ".qkv_proj.bias", ".gate_up_proj.weight"))
-                for name in stock["differing"]
-            ), stock
+            assert stock["raised"] is not None and stock["differing"], stock
         # A version that some rank must refuse changes nothing on any rank; only the last
         # rank raises, with every rank's reason.
         last = result["rank"] == tp - 1

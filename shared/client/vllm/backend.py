@@ -37,6 +37,7 @@ Two vLLM 0.32 bugs shape this:
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,9 +48,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from weightcast.client.reader import VersionReader
 from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.client.vllm.placement import hf_tensors, packed_name
-from weightcast.client.vllm.protocol import REFUSED, InitInfo, UpdateInfo, resolve
+from weightcast.client.vllm.protocol import REFUSED, InitInfo, Source, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.fusion import ModelShape, check_shapes
@@ -83,6 +85,9 @@ class WeightcastWeightTransferEngine(
         self.copier = InPlaceCopier()  # its pinned staging is allocated once, on first use
         self.last_report: dict[str, Any] = {}
         """What the last update did (or why it failed), for :func:`report`."""
+        self._files: VersionReader | None = None
+        """This rank's reader, kept across updates with its host base (``keep_base``)."""
+        self._files_at: tuple[Path, Path] | None = None
 
     def init_transfer_engine(self, init_info: WeightcastInitInfo) -> None:
         self.defaults = init_info
@@ -149,6 +154,8 @@ class WeightcastWeightTransferEngine(
             "tp": tp,
             "tensors": len(staged.parts),
             "bytes": staged.nbytes,
+            "via": staged.via,
+            "read_bytes": staged.read_bytes,
             "read_s": round(staged.read_seconds, 4),
             "stage_s": round(applied - started, 4),
             "apply_s": round(done - applied, 4),
@@ -160,9 +167,21 @@ class WeightcastWeightTransferEngine(
         if self.parallel_config.pipeline_parallel_size > 1:
             raise WeightsError("the weightcast backend does not support pipeline parallelism")
         source = resolve(info, self.defaults, load_config())
-        staged = stage(source, info.version, rank, tp, self._shape())
+        staged = stage(source, info.version, rank, tp, self._shape(), self._reader(source))
         self._check_fits(staged, rank, tp)
         return staged
+
+    def _reader(self, source: Source) -> VersionReader | None:
+        """The reader that keeps this rank's base between updates (None: ``keep_base`` off;
+        a new one when the weights root or record directory changed). Both modes rebuild the
+        rank's part on the host from it and then load it as usual."""
+        if not self.defaults.keep_base:
+            return None
+        where = (source.weights_root, source.verified_dir)
+        if self._files is None or self._files_at != where:
+            self._files = VersionReader(source.weights_root, source.verified_dir, keep_base=True)
+            self._files_at = where
+        return self._files
 
     def _shape(self) -> ModelShape:
         return ModelShape.from_hf_config(self.model_config.hf_config.to_dict())

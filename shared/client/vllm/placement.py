@@ -54,6 +54,10 @@ def hf_tensors(
             yield from _split_qkv(part, shape, rank, tp)
         elif kind == ShardKind.GATE_UP:
             yield from _split_gate_up(part, shape, rank)
+        elif kind == ShardKind.ROW_PARALLEL_RANKS:  # the rank's [rows, columns / tp]
+            columns = part.tensor.shape[1]
+            whole = (part.tensor.shape[0], columns * tp)
+            yield part.name, _placed(part.tensor, whole, 1, rank * columns)
         else:
             whole = expected_shape(part.name, shape)
             if whole is None:

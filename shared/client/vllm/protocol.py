@@ -57,11 +57,16 @@ class InitInfo(Location):
     """``init_info``: defaults for every later update of this engine."""
 
     load_mode: str = "auto"
+    keep_base: bool = True
+    """Keep a host copy of this rank's verified blocks, so that the next version whose delta
+    is from the version loaded is read by delta (as much host memory as the rank's part)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.load_mode not in LOAD_MODES:
             raise ValueError(f"'load_mode' must be one of {LOAD_MODES}, got {self.load_mode!r}")
+        if not isinstance(self.keep_base, bool):
+            raise ValueError(f"'keep_base' must be true or false, got {self.keep_base!r}")
 
 
 @dataclass(kw_only=True)

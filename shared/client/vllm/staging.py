@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightcast.client.reader import VersionReader
 from weightcast.client.vllm.protocol import Source
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import LayoutError, WeightsError
@@ -42,6 +43,9 @@ class StagedVersion:
     layout: str
     parts: tuple[RankPart, ...]
     read_seconds: float
+    via: str = "full"
+    """``delta`` when rebuilt from the rank's host base (:mod:`weightcast.client.delta_reads`)."""
+    read_bytes: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -49,9 +53,15 @@ class StagedVersion:
 
 
 def stage(
-    source: Source, version: int, rank: int, tp: int, engine_shape: ModelShape
+    source: Source,
+    version: int,
+    rank: int,
+    tp: int,
+    engine_shape: ModelShape,
+    files: VersionReader | None = None,
 ) -> StagedVersion:
-    """Read rank ``rank``'s part of ``version`` for an engine of ``engine_shape`` at ``tp``.
+    """Read rank ``rank``'s part of ``version`` for an engine of ``engine_shape`` at ``tp``;
+    through ``files`` when given (a reader kept across updates, holding the rank's base).
 
     Raises :class:`WeightsError` (or :class:`VersionGone`) for a version this engine must not
     load: another model, fused for another tp, a file that fails its digest.
@@ -64,6 +74,8 @@ def stage(
         node_id=f"{source.node_id}-tp{rank}",
         verified_dir=source.verified_dir,
     )
+    if files is not None:
+        client.files = files
     try:
         with client.lease(version) as info:
             try:
@@ -95,4 +107,12 @@ def stage(
                     raise WeightsError(f"version {version}: {exc}") from None
     finally:
         client.close()
-    return StagedVersion(version, manifest.layout, tuple(parts), time.perf_counter() - start)
+    stats = client.files.stats
+    return StagedVersion(
+        version,
+        manifest.layout,
+        tuple(parts),
+        time.perf_counter() - start,
+        stats.via,
+        stats.bytes_read,
+    )

@@ -1,0 +1,73 @@
+"""``weightcast follow`` moves from version to version by delta, through the real publisher
+and follow processes, and says so in its node record and in ``weightcast status``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import redis
+import torch
+
+from weightcast.contract.keys import Keys
+from weightcast.contract.nodes import NodeReport
+from weightcast.local.redis_server import RedisServer
+
+from helpers import (
+    drift,
+    hf_state,
+    publish_snapshot,
+    run_env,
+    run_weightcast,
+    shape_of,
+    start_weightcast,
+    stop,
+    wait_for,
+)
+
+SHAPE = dataclasses.replace(shape_of(4, 2, 32, hidden=128, inter=512, tied=False), vocab_size=512)
+
+
+def test_follow_loads_each_next_version_by_delta_and_status_shows_it(
+    keys: Keys, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    client = redis.Redis.from_url(redis_server.url)
+    env = run_env(redis_server.url, keys.namespace, tmp_path)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    publisher = start_weightcast(
+        env, logs / "publisher.log", "publisher", "--rescan-seconds", "0.2"
+    )
+    follow = start_weightcast(env, logs / "follow.log", "follow", "--poll-seconds", "0.2")
+    state = hf_state(SHAPE, torch.bfloat16)
+
+    def node_on(version: int) -> NodeReport | None:
+        reports = [NodeReport.parse(v) for v in client.hvals(keys.nodes)]
+        return next((r for r in reports if r.version == version), None)
+
+    try:
+        for step in (1, 2, 3):
+            drift(state, step)
+            publish_snapshot(tmp_path / "checkpoints", step, SHAPE, state)
+            wait_for(lambda s=step: int(client.get(keys.latest) or 0) >= s, 120, f"version {step}")
+            latest = int(client.get(keys.latest))
+            wait_for(lambda v=latest: node_on(v), 120, f"follow to load version {latest}")
+            report = node_on(latest)
+            assert report is not None
+            size = int(client.hget(keys.version(latest), "bytes"))
+            if step == 1:
+                assert report.via == "full" and report.read_bytes > size / 2
+            else:
+                assert report.via == "delta", (logs / "follow.log").read_text()[-2000:]
+                assert 0 < report.read_bytes < size / 10
+        status = run_weightcast(env, "status")
+        assert status.returncode == 0, status.stderr
+        assert f"v{latest} (reported" in status.stdout and "by delta:" in status.stdout
+        shown = json.loads(run_weightcast(env, "status", "--json").stdout)
+        (node,) = shown["nodes"].values()
+        assert node["via"] == "delta" and node["read_bytes"] == report.read_bytes
+    finally:
+        for process in (publisher, follow):
+            stop(process)
+        client.close()
