@@ -393,7 +393,7 @@ def _tensors_of(
     header = _header_of(blocks, entry, label)
     spans = {span.name: span for span in header.tensors}
     parts = [_part(want, spans, label) for want in wants]
-    outputs = {p.name: torch.empty(p.shape, dtype=p.dtype) for p in parts}
+    outputs = {p.name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in parts}
     for p in parts:
         first, last = p.rect.extent
         missing = [i for i in entry.blocks.block_range(first, last) if i not in blocks]
