@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from weightcast.contract.delta import (
     Delta,
     DeltaFile,
@@ -136,21 +138,27 @@ def write_delta(
 
 
 def _frame(new_path: Path, old_path: Path, new: FileEntry, old: FileEntry, index: int) -> bytes:
-    """Block ``index``'s frame: empty when its digest did not change, else XOR + zstd."""
+    """Block ``index``'s frame: empty when its digest did not change, else XOR + zstd (each
+    worker thread reads into, and XORs over, buffers of its own)."""
     assert new.blocks is not None and old.blocks is not None
     if new.blocks.digests[index] == old.blocks.digests[index]:
         return b""
     start, stop = new.blocks.span(index, new.bytes)
     if not hasattr(_local, "compressor"):
         _local.compressor = compressor()
-    return encode_block(
-        _read(new_path, start, stop), _read(old_path, start, stop), _local.compressor
-    )
+        _local.buffers = (np.empty(0, np.uint8), np.empty(0, np.uint8))
+    if _local.buffers[0].size < stop - start:
+        _local.buffers = (np.empty(stop - start, np.uint8), np.empty(stop - start, np.uint8))
+    fresh, prior = (b[: stop - start] for b in _local.buffers)
+    _read_into(new_path, start, fresh)
+    _read_into(old_path, start, prior)
+    return encode_block(fresh, prior, _local.compressor, out=fresh)
 
 
-def _read(path: Path, start: int, stop: int) -> bytes:
+def _read_into(path: Path, start: int, buffer: np.ndarray) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        return os.pread(fd, stop - start, start)
+        if os.preadv(fd, [memoryview(buffer)], start) != buffer.size:
+            raise OSError(f"{path}: shorter than its manifest says")
     finally:
         os.close(fd)

@@ -750,9 +750,48 @@ HF_SHAPES = {
         max_position_embeddings=512,
         eos_token_id=[3, 4],
     ),
+    "moe-untied-odd": dict(
+        vocab_size=1003,
+        hidden_size=48,
+        intermediate_size=80,  # the dense layer's width
+        moe_intermediate_size=40,
+        num_experts=6,  # 3 per rank under 2-rank FSDP
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],  # a dense layer (intermediate_size) between two sparse ones
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        eos_token_id=[3, 4],
+    ),
+    "moe-tied-odd": dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_experts=5,  # splits over no number of FSDP ranks
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=True,
+        rope_theta=12345.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=300,
+        eos_token_id=7,
+    ),
 }
-"""Two dense Qwen3 shapes that no flavor has: tied and untied, odd vocabularies and
-head_dims, their own rope_theta, rms_norm_eps, max_position_embeddings and eos."""
+"""Dense Qwen3 and Qwen3-MoE (``moe-*``) shapes that no flavor has: tied and untied, odd
+vocabularies, head_dims and expert widths, top-k renormalised and not, a dense layer among
+sparse ones and none, their own
+rope_theta, rms_norm_eps, max_position_embeddings and eos."""
 
 
 def save_pretrained_qwen3(
@@ -763,16 +802,20 @@ def save_pretrained_qwen3(
     seed: int = 0,
     scale: float = 1.0,
 ) -> Path:
-    """A real ``Qwen3ForCausalLM`` checkpoint written by ``transformers``' ``save_pretrained``
-    (sharded into files of at most ``shard_kb`` KB when given), as a user's would be. Its
+    """A real ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for a ``moe-*`` shape) checkpoint
+    written by ``transformers``' ``save_pretrained`` (sharded into files of at most
+    ``shard_kb`` KB when given), as a user's would be. Its
     weights are random and then moved off the init's distribution (+0.5 on every norm, a
     seed-dependent offset elsewhere), so a run that ignored it could not pass for it. A
     ``scale`` above 1 multiplies the matrices, for a model whose predictions are peaked (a
     random init's are near uniform, where even a wrong load changes little)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPES[shape]))
+    if shape.startswith("moe-"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_SHAPES[shape]))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPES[shape]))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

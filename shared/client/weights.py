@@ -59,7 +59,8 @@ class WeightsClient:
     verified once per node and version (see :mod:`weightcast.client.verified`); None keeps
     that record in this process. ``keep_base``: keep the verified blocks of the last version
     read (as much memory again as its tensors) and read the next version of the same part by
-    its delta from them when it has one (:mod:`weightcast.client.delta_reads`).
+    its delta from them when it has one (:mod:`weightcast.client.delta_reads`); such a client
+    reads one version at a time (the base is replaced by each read).
     """
 
     def __init__(

@@ -138,9 +138,11 @@ def encode_block(
     new: bytes | memoryview | np.ndarray,
     base: bytes | memoryview | np.ndarray,
     compressor: zstandard.ZstdCompressor,
+    out: np.ndarray | None = None,
 ) -> bytes:
-    """The frame of a changed block: zstd of ``new XOR base`` (a frame holds its size)."""
-    return compressor.compress(xor(new, base).data)
+    """The frame of a changed block: zstd of ``new XOR base`` (a frame holds its size), the
+    XOR written into ``out`` when given (``new``'s own array, say) rather than a new array."""
+    return compressor.compress(xor(new, base, out=out).data)
 
 
 def apply_block(

@@ -109,10 +109,12 @@ def test_the_wheel_holds_one_weightcast_package_with_the_daemons(tmp_path: Path)
         if line.startswith("Requires-Dist:") and "extra ==" not in line
     ]
     assert sorted(r.split(">")[0].split("=")[0].split("<")[0] for r in requires) == [
+        "numpy",
         "redis",
         "safetensors",
         "torch",
         "xxhash",
+        "zstandard",
     ]
     assert not any("<" in r for r in requires if r.startswith("torch")), "torch is capped"
 

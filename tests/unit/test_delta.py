@@ -44,6 +44,8 @@ def test_a_block_is_rebuilt_bitwise_from_its_base_and_frame(every: int, size: in
     new = nearby(base, every)
     frame = encode_block(new, base, compressor())
     assert apply_block(frame, block(base), decompressor()).tobytes() == new
+    scratch = block(new)
+    assert encode_block(scratch, base, compressor(), out=scratch) == frame  # XOR over new
     held = block(base)
     assert apply_block(frame, held, decompressor(), in_place=True) is held
     assert held.tobytes() == new
