@@ -59,7 +59,12 @@ from weightcast.local.produce import synthetic_batch
 from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.settings import load_config
 from weightcast.trainer.dcp_safetensors import SafetensorsStorageWriter
-from weightcast.trainer.resume import TrainState, newest_checkpoint, read_train_state
+from weightcast.trainer.resume import (
+    TrainState,
+    newest_checkpoint,
+    read_model_weights,
+    read_train_state,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -437,14 +442,7 @@ def final_train_state(resume_dir: Path) -> TrainState:
 
 def checkpoint_model(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model tensors of a resume checkpoint (no optimizer, schedule or train state)."""
-    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    state = {
-        name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        for name, item in meta.items()
-        if hasattr(item, "size") and not name.startswith(("optimizer", "lr_scheduler", "train"))
-    }
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    return state
+    return read_model_weights(checkpoint)
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.1):
