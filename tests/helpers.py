@@ -91,8 +91,23 @@ def shape_of(
     )
 
 
+def moe_shape(
+    experts: int = 4, moe_inter: int = 16, dense_layers: tuple[int, ...] = (1,), layers: int = 3
+) -> ModelShape:
+    """A small Qwen3-MoE: 4 heads over 2 kv heads, ``dense_layers`` keep a dense MLP."""
+    return dataclasses.replace(
+        shape_of(4, 2, 8, hidden=16, inter=32),
+        num_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=moe_inter,
+        mlp_only_layers=dense_layers,
+    )
+
+
 def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A random HF-named Qwen3 state dict of this shape (unique values, so swaps show)."""
+    """A random HF-named Qwen3 (or Qwen3-MoE) state dict of this shape (unique values, so
+    swaps show)."""
     gen = torch.Generator().manual_seed(0)
 
     def rand(*size: int) -> torch.Tensor:
@@ -111,9 +126,23 @@ def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str,
             f"{p}.self_attn.o_proj.weight": rand(h, shape.q_rows),
             f"{p}.self_attn.q_norm.weight": rand(d),
             f"{p}.self_attn.k_norm.weight": rand(d),
-            f"{p}.mlp.gate_proj.weight": rand(shape.intermediate_size, h),
-            f"{p}.mlp.up_proj.weight": rand(shape.intermediate_size, h),
-            f"{p}.mlp.down_proj.weight": rand(h, shape.intermediate_size),
+        }
+        if shape.sparse(i):
+            moe = shape.moe_intermediate_size
+            state[f"{p}.mlp.gate.weight"] = rand(shape.num_experts, h)
+            for e in range(shape.num_experts):
+                state |= {
+                    f"{p}.mlp.experts.{e}.gate_proj.weight": rand(moe, h),
+                    f"{p}.mlp.experts.{e}.up_proj.weight": rand(moe, h),
+                    f"{p}.mlp.experts.{e}.down_proj.weight": rand(h, moe),
+                }
+        else:
+            state |= {
+                f"{p}.mlp.gate_proj.weight": rand(shape.intermediate_size, h),
+                f"{p}.mlp.up_proj.weight": rand(shape.intermediate_size, h),
+                f"{p}.mlp.down_proj.weight": rand(h, shape.intermediate_size),
+            }
+        state |= {
             f"{p}.input_layernorm.weight": rand(h),
             f"{p}.post_attention_layernorm.weight": rand(h),
         }
@@ -134,7 +163,16 @@ def drift(state: dict[str, torch.Tensor], step: int, every: int = 50) -> None:
 
 
 def hf_config(shape: ModelShape) -> dict:
-    return {
+    moe = {
+        "model_type": "qwen3_moe",
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "decoder_sparse_step": shape.decoder_sparse_step,
+        "mlp_only_layers": list(shape.mlp_only_layers),
+        "norm_topk_prob": shape.norm_topk_prob,
+    }
+    return (moe if shape.moe else {}) | {
         "num_hidden_layers": shape.num_layers,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,

@@ -309,6 +309,13 @@ class PublisherConfig:
         "with tp > 1, one safetensors file per rank holding exactly that rank's parameters",
         flag="--per-rank-files",
     )
+    expert_parallel: bool = setting(
+        False,
+        "mixtures of experts: lay experts out for vLLM's --enable-expert-parallel (whole "
+        "experts per rank, ep = tp; tp must divide the experts) instead of splitting each "
+        "expert's intermediate dimension over the tp ranks",
+        flag="--expert-parallel",
+    )
     reader: str = setting(
         "auto",
         "auto: copy byte ranges out of the snapshot's files (dcp-safetensors snapshots); "
