@@ -29,6 +29,7 @@ median and range of the per-round ratios, and the bytes each kind reads.
 
     .venv/bin/python bench/bench_node.py                      # 0.6B, tp 1 2 8, 5 rounds
     .venv/bin/python bench/bench_node.py --shape tiny --rounds 3 --no-drop
+    .venv/bin/python bench/bench_node.py --shape 30B-A3B-2L --tp 4 --expert-parallel
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def drop_caches(enabled: bool) -> None:
 
 
 def verified_update(
-    weights: Path, info: VersionInfo, ranks: list[int], tp: int, record: Path
+    weights: Path, info: VersionInfo, ranks: list[int], tp: int, ep: int, record: Path
 ) -> Callable[[], int]:
     """The node's update: each rank's tensors in turn, verified, sharing a fresh node record."""
 
@@ -102,7 +103,7 @@ def verified_update(
         read = 0
         for rank in ranks:
             reader = VersionReader(weights, verified_dir=record)
-            parts = reader.rank_tensors(info, rank, tp)
+            parts = reader.rank_tensors(info, rank, tp, ep)
             read += reader.stats.bytes_read
             del parts
         return read
@@ -111,7 +112,7 @@ def verified_update(
 
 
 def recorded(
-    weights: Path, info: VersionInfo, ranks: list[int], tp: int, record: Path
+    weights: Path, info: VersionInfo, ranks: list[int], tp: int, ep: int, record: Path
 ) -> tuple[Reads, Reads, int]:
     """From one real update: per rank, its own byte ranges (headers and the extents of the
     parts the client planned), the block reads the client made; and the bytes it held."""
@@ -139,7 +140,7 @@ def recorded(
         for rank in ranks:
             own.append([])
             blocks.append([])
-            parts = VersionReader(weights, verified_dir=record).rank_tensors(info, rank, tp)
+            parts = VersionReader(weights, verified_dir=record).rank_tensors(info, rank, tp, ep)
             held += sum(t.nbytes for t in parts.values())
     finally:
         OpenFile.read_into = read_into  # type: ignore[method-assign]
@@ -207,6 +208,9 @@ def main() -> None:
     parser.add_argument("--shape", default="0.6B", choices=list(SHAPES))
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 8])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: /tmp)")
     parser.add_argument("--no-drop", action="store_true", help="keep the page cache (not root)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -219,13 +223,16 @@ def main() -> None:
         weights.mkdir()
         cases: dict[str, tuple[dict[str, Callable[[], int]], dict[str, int]]] = {}
         for tp in args.tp:
-            convert(snapshot, weights, tp, ConvertOptions(tp=tp))
+            convert(
+                snapshot, weights, tp, ConvertOptions(tp=tp, expert_parallel=args.expert_parallel)
+            )
             info = registered(weights, tp)
+            ep = tp if args.expert_parallel else 1
             for who, ranks in (("rank 0", [0]), (f"node ({tp} ranks)", list(range(tp)))):
                 if tp == 1 and who != "rank 0":
                     continue
-                verify = verified_update(weights, info, ranks, tp, work / "record")
-                own, blocks, held = recorded(weights, info, ranks, tp, work / "record")
+                verify = verified_update(weights, info, ranks, tp, ep, work / "record")
+                own, blocks, held = recorded(weights, info, ranks, tp, ep, work / "record")
                 sizes = {
                     "held": held,
                     "raw": sum(n for r in own for _, _, n in r),
@@ -255,7 +262,10 @@ def report(cases: dict, times: dict, args: argparse.Namespace, load: list[float]
     cache = "cold" if not args.no_drop else "warm"
     machine = f"{platform.node()}, {os.cpu_count()} CPUs"
     loads = f"load average {min(load):.1f}..{max(load):.1f}"
-    print(f"\n{machine}; {args.shape}, {cache} page cache, {args.rounds} rounds, {loads}")
+    placement = ", expert parallel" if args.expert_parallel else ""
+    print(
+        f"\n{machine}; {args.shape}{placement}, {cache} page cache, {args.rounds} rounds, {loads}"
+    )
     print(
         f"{'case':<20} {'held MB':>8} {'raw MB':>7} {'blocks MB':>9} {'raw s':>6} "
         f"{'blocks s':>8} {'verify s':>8} {'verify/raw':>17} {'blocks/raw':>17}"

@@ -14,6 +14,7 @@ life, imports included). ``--json`` writes the same as JSON.
 
     .venv/bin/python bench/bench_publisher.py                          # tiny, 0.6B, 1.7B
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --rounds 7 --format dcp-torchsave
+    .venv/bin/python bench/bench_publisher.py --shapes 30B-A3B-2L --tp 4 --expert-parallel
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from weightcast.local.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Real Qwen3 configurations (tiny: weightcast's own test model).
+# Real Qwen3 configurations (tiny: weightcast's own test model). 30B-A3B-2L: Qwen3-30B-A3B at
+# full width (128 experts of 768, hidden 2048, 32 heads over 4 kv heads) cut to 2 layers.
 SHAPES = {
     "tiny": dict(layers=2, hidden=128, inter=384, heads=4, kv=2, head_dim=64, vocab=2048),
     "0.6B": dict(layers=28, hidden=1024, inter=3072, heads=16, kv=8, head_dim=128, vocab=151936),
@@ -58,11 +60,24 @@ SHAPES = {
     "8B": dict(
         layers=36, hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, tied=False
     ),
+    "30B-A3B-2L": dict(
+        layers=2,
+        hidden=2048,
+        inter=6144,
+        heads=32,
+        kv=4,
+        head_dim=128,
+        vocab=151936,
+        tied=False,
+        experts=128,
+        experts_per_tok=8,
+        moe_inter=768,
+    ),
 }
 
 
 def hf_config(s: dict) -> dict:
-    return {
+    config = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "num_hidden_layers": s["layers"],
@@ -74,6 +89,16 @@ def hf_config(s: dict) -> dict:
         "vocab_size": s["vocab"],
         "tie_word_embeddings": s.get("tied", True),
         "torch_dtype": "bfloat16",
+    }
+    if "experts" not in s:
+        return config
+    return config | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": s["experts"],
+        "num_experts_per_tok": s["experts_per_tok"],
+        "moe_intermediate_size": s["moe_inter"],
+        "norm_topk_prob": True,
     }
 
 
@@ -91,12 +116,24 @@ def hf_shapes(s: dict) -> dict[str, tuple[int, ...]]:
             f"{p}.self_attn.o_proj.weight": (h, q),
             f"{p}.self_attn.q_norm.weight": (s["head_dim"],),
             f"{p}.self_attn.k_norm.weight": (s["head_dim"],),
-            f"{p}.mlp.gate_proj.weight": (inter, h),
-            f"{p}.mlp.up_proj.weight": (inter, h),
-            f"{p}.mlp.down_proj.weight": (h, inter),
             f"{p}.input_layernorm.weight": (h,),
             f"{p}.post_attention_layernorm.weight": (h,),
         }
+        if "experts" in s:
+            moe = s["moe_inter"]
+            shapes[f"{p}.mlp.gate.weight"] = (s["experts"], h)
+            for e in range(s["experts"]):
+                shapes |= {
+                    f"{p}.mlp.experts.{e}.gate_proj.weight": (moe, h),
+                    f"{p}.mlp.experts.{e}.up_proj.weight": (moe, h),
+                    f"{p}.mlp.experts.{e}.down_proj.weight": (h, moe),
+                }
+        else:
+            shapes |= {
+                f"{p}.mlp.gate_proj.weight": (inter, h),
+                f"{p}.mlp.up_proj.weight": (inter, h),
+                f"{p}.mlp.down_proj.weight": (h, inter),
+            }
     return shapes
 
 
@@ -207,6 +244,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
     command = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(args.tp)]
     command += ["--reader", args.reader, "--rescan-seconds", "30", "--layout", args.layout]
     command += ["--digest", args.digest, "--keep", "1"]
+    command += ["--expert-parallel"] if args.expert_parallel else []
     daemon = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -263,6 +301,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["tiny", "0.6B", "1.7B"], choices=SHAPES)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument(
+        "--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank"
+    )
     parser.add_argument("--layout", default="vllm-fused", choices=["vllm-fused", "hf", "both"])
     parser.add_argument("--reader", default="auto", choices=["auto", "dcp-load"])
     parser.add_argument("--digest", default="xxh3-128", choices=["xxh3-128", "blake3"])
@@ -277,6 +318,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
     machine = f"{platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     settings = f"format={args.format} reader={args.reader} layout={args.layout} tp={args.tp}"
+    settings += " expert-parallel" if args.expert_parallel else ""
     print(f"{machine}; {settings} digest={args.digest} rounds={args.rounds} dir={root}")
     print(
         f"{'shape':>6} {'GB':>6} {'cp+fsync s':>10} {'publish s':>10} {'ratio':>6} "

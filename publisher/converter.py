@@ -23,6 +23,7 @@ from typing import Any
 from weightcast.contract.delta import Delta
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
 from weightcast.contract.errors import LayoutError
+from weightcast.contract.experts import check_placement
 from weightcast.contract.fusion import ModelShape, check_shapes, check_tp
 from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED, fused_config
 from weightcast.contract.manifest import (
@@ -69,6 +70,13 @@ class ConvertOptions:
     delta: bool = True
     """Write a delta from the newest earlier version beside the version, when their plans
     match (:mod:`weightcast.publisher.delta_writer`)."""
+    expert_parallel: bool = False
+    """A mixture of experts' experts laid out whole per rank (vLLM's ``enable_expert_parallel``,
+    ep = tp) instead of each expert split over the ranks (ep = 1)."""
+
+    @property
+    def ep(self) -> int:
+        return self.tp if self.expert_parallel else 1
 
 
 @dataclass(frozen=True)
@@ -128,9 +136,10 @@ def _plan(source: Source, config: dict[str, Any], options: ConvertOptions) -> Ve
     except LayoutError as exc:
         raise CorruptSnapshot(str(exc)) from None
     check_tp(shape, options.tp)  # a tp the model cannot take: the setting is wrong
+    check_placement(shape, options.tp, options.ep)
     try:
         return plan_version(
-            source.tensors, shape, options.tp, options.layout, options.per_rank_files
+            source.tensors, shape, options.tp, options.layout, options.per_rank_files, options.ep
         )
     except LayoutError as exc:
         raise CorruptSnapshot(str(exc)) from None
@@ -257,5 +266,6 @@ def _manifest(
         tensors=tensors,
         per_rank_files=plan.per_rank_files,
         hf_dir=plan.hf_dir,
+        ep=plan.ep,
         delta=delta,
     )

@@ -80,7 +80,13 @@ class Publisher:
         except ManifestError as exc:
             raise ConfigError(f"publisher.digest={cfg.digest}: {exc}") from None
         self.options = ConvertOptions(
-            cfg.tp, cfg.layout, cfg.per_rank_files, cfg.reader, cfg.digest, cfg.delta
+            cfg.tp,
+            cfg.layout,
+            cfg.per_rank_files,
+            cfg.reader,
+            cfg.digest,
+            cfg.delta,
+            cfg.expert_parallel,
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
@@ -158,6 +164,7 @@ class Publisher:
             tp=self.cfg.tp,
             layout=self.cfg.layout,
             per_rank_files=self.cfg.per_rank_files,
+            expert_parallel=self.cfg.expert_parallel,
             digest=self.cfg.digest,
             keep=self.cfg.keep,
             holder=self.lock.holder,
@@ -229,8 +236,10 @@ class Publisher:
             self.quarantine(snapshot.path, snapshot.info.snapshot_id, str(exc), snapshot.step)
             return
         except LayoutError as exc:
+            placement = " with publisher.expert_parallel" if self.cfg.expert_parallel else ""
             raise ConfigError(
-                f"publisher.tp={self.cfg.tp} cannot serve the model of {snapshot.path}: {exc}"
+                f"publisher.tp={self.cfg.tp}{placement} cannot serve the model of "
+                f"{snapshot.path}: {exc}"
             ) from None
         outcome, lag = self.register(version, snapshot, published)
         if outcome != REGISTERED:

@@ -59,7 +59,12 @@ from weightcast.local.produce import synthetic_batch
 from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.settings import load_config
 from weightcast.trainer.dcp_safetensors import SafetensorsStorageWriter
-from weightcast.trainer.resume import TrainState, newest_checkpoint, read_train_state
+from weightcast.trainer.resume import (
+    TrainState,
+    newest_checkpoint,
+    read_model_weights,
+    read_train_state,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -86,8 +91,23 @@ def shape_of(
     )
 
 
+def moe_shape(
+    experts: int = 4, moe_inter: int = 16, dense_layers: tuple[int, ...] = (1,), layers: int = 3
+) -> ModelShape:
+    """A small Qwen3-MoE: 4 heads over 2 kv heads, ``dense_layers`` keep a dense MLP."""
+    return dataclasses.replace(
+        shape_of(4, 2, 8, hidden=16, inter=32),
+        num_layers=layers,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        moe_intermediate_size=moe_inter,
+        mlp_only_layers=dense_layers,
+    )
+
+
 def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """A random HF-named Qwen3 state dict of this shape (unique values, so swaps show)."""
+    """A random HF-named Qwen3 (or Qwen3-MoE) state dict of this shape (unique values, so
+    swaps show)."""
     gen = torch.Generator().manual_seed(0)
 
     def rand(*size: int) -> torch.Tensor:
@@ -106,9 +126,23 @@ def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str,
             f"{p}.self_attn.o_proj.weight": rand(h, shape.q_rows),
             f"{p}.self_attn.q_norm.weight": rand(d),
             f"{p}.self_attn.k_norm.weight": rand(d),
-            f"{p}.mlp.gate_proj.weight": rand(shape.intermediate_size, h),
-            f"{p}.mlp.up_proj.weight": rand(shape.intermediate_size, h),
-            f"{p}.mlp.down_proj.weight": rand(h, shape.intermediate_size),
+        }
+        if shape.sparse(i):
+            moe = shape.moe_intermediate_size
+            state[f"{p}.mlp.gate.weight"] = rand(shape.num_experts, h)
+            for e in range(shape.num_experts):
+                state |= {
+                    f"{p}.mlp.experts.{e}.gate_proj.weight": rand(moe, h),
+                    f"{p}.mlp.experts.{e}.up_proj.weight": rand(moe, h),
+                    f"{p}.mlp.experts.{e}.down_proj.weight": rand(h, moe),
+                }
+        else:
+            state |= {
+                f"{p}.mlp.gate_proj.weight": rand(shape.intermediate_size, h),
+                f"{p}.mlp.up_proj.weight": rand(shape.intermediate_size, h),
+                f"{p}.mlp.down_proj.weight": rand(h, shape.intermediate_size),
+            }
+        state |= {
             f"{p}.input_layernorm.weight": rand(h),
             f"{p}.post_attention_layernorm.weight": rand(h),
         }
@@ -129,7 +163,16 @@ def drift(state: dict[str, torch.Tensor], step: int, every: int = 50) -> None:
 
 
 def hf_config(shape: ModelShape) -> dict:
-    return {
+    moe = {
+        "model_type": "qwen3_moe",
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "decoder_sparse_step": shape.decoder_sparse_step,
+        "mlp_only_layers": list(shape.mlp_only_layers),
+        "norm_topk_prob": shape.norm_topk_prob,
+    }
+    return (moe if shape.moe else {}) | {
         "num_hidden_layers": shape.num_layers,
         "hidden_size": shape.hidden_size,
         "intermediate_size": shape.intermediate_size,
@@ -399,14 +442,7 @@ def final_train_state(resume_dir: Path) -> TrainState:
 
 def checkpoint_model(checkpoint: Path) -> dict[str, torch.Tensor]:
     """The model tensors of a resume checkpoint (no optimizer, schedule or train state)."""
-    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
-    state = {
-        name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
-        for name, item in meta.items()
-        if hasattr(item, "size") and not name.startswith(("optimizer", "lr_scheduler", "train"))
-    }
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
-    return state
+    return read_model_weights(checkpoint)
 
 
 def wait_for(condition: Callable[[], object], timeout: float, what: str, every: float = 0.1):
@@ -752,9 +788,48 @@ HF_SHAPES = {
         max_position_embeddings=512,
         eos_token_id=[3, 4],
     ),
+    "moe-untied-odd": dict(
+        vocab_size=1003,
+        hidden_size=48,
+        intermediate_size=80,  # the dense layer's width
+        moe_intermediate_size=40,
+        num_experts=6,  # 3 per rank under 2-rank FSDP
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=3,
+        mlp_only_layers=[1],  # a dense layer (intermediate_size) between two sparse ones
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        eos_token_id=[3, 4],
+    ),
+    "moe-tied-odd": dict(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_experts=5,  # splits over no number of FSDP ranks
+        num_experts_per_tok=3,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        tie_word_embeddings=True,
+        rope_theta=12345.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=300,
+        eos_token_id=7,
+    ),
 }
-"""Two dense Qwen3 shapes that no flavor has: tied and untied, odd vocabularies and
-head_dims, their own rope_theta, rms_norm_eps, max_position_embeddings and eos."""
+"""Dense Qwen3 and Qwen3-MoE (``moe-*``) shapes that no flavor has: tied and untied, odd
+vocabularies, head_dims and expert widths, top-k renormalised and not, a dense layer among
+sparse ones and none, their own
+rope_theta, rms_norm_eps, max_position_embeddings and eos."""
 
 
 def save_pretrained_qwen3(
@@ -765,16 +840,20 @@ def save_pretrained_qwen3(
     seed: int = 0,
     scale: float = 1.0,
 ) -> Path:
-    """A real ``Qwen3ForCausalLM`` checkpoint written by ``transformers``' ``save_pretrained``
-    (sharded into files of at most ``shard_kb`` KB when given), as a user's would be. Its
+    """A real ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for a ``moe-*`` shape) checkpoint
+    written by ``transformers``' ``save_pretrained`` (sharded into files of at most
+    ``shard_kb`` KB when given), as a user's would be. Its
     weights are random and then moved off the init's distribution (+0.5 on every norm, a
     seed-dependent offset elsewhere), so a run that ignored it could not pass for it. A
     ``scale`` above 1 multiplies the matrices, for a model whose predictions are peaked (a
     random init's are near uniform, where even a wrong load changes little)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPES[shape]))
+    if shape.startswith("moe-"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_SHAPES[shape]))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPES[shape]))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

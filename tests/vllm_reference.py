@@ -81,3 +81,34 @@ def row_parallel_rank(weight: torch.Tensor, tp_size: int, tp_rank: int) -> torch
     """``RowParallelLinear.weight_loader``: input_dim 1, split evenly over ranks."""
     shard_size = weight.shape[1] // tp_size
     return weight.narrow(1, tp_rank * shard_size, shard_size).clone()
+
+
+def fused_moe_rank(
+    gates: list[torch.Tensor],
+    ups: list[torch.Tensor],
+    downs: list[torch.Tensor],
+    tp_size: int,
+    tp_rank: int,
+    expert_parallel: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13_weight, w2_weight)`` of one rank, as ``FusedMoE.weight_loader`` fills them.
+
+    Expert parallel: ``determine_expert_map``'s linear placement over ``tp_size`` ranks, each
+    expert whole. Otherwise every expert, ``_load_w13`` narrowing gate and up (dim 0) and
+    ``_load_w2`` narrowing down (dim 1) to the rank's share.
+    """
+    experts = len(gates)
+    if expert_parallel:
+        base, remainder = divmod(experts, tp_size)
+        count = base + (tp_rank < remainder)
+        first = tp_rank * base + min(tp_rank, remainder)
+        local, moe_tp, moe_rank = range(first, first + count), 1, 0
+    else:
+        local, moe_tp, moe_rank = range(experts), tp_size, tp_rank
+    w13, w2 = [], []
+    for e in local:
+        per_rank = gates[e].shape[0] // moe_tp
+        rows = slice(moe_rank * per_rank, (moe_rank + 1) * per_rank)
+        w13.append(torch.cat([gates[e][rows], ups[e][rows]]))
+        w2.append(downs[e][:, rows])
+    return torch.stack(w13), torch.stack(w2)

@@ -1,8 +1,10 @@
 """Starting a run from a Hugging Face checkpoint directory (``trainer.init_from``).
 
-The directory is what ``transformers``' ``save_pretrained`` writes for a dense Qwen3:
-``config.json``, then ``model.safetensors`` or shards listed by
-``model.safetensors.index.json``, in bf16, fp16 or fp32. :func:`inspect_start` reads and
+The directory is what ``transformers``' ``save_pretrained`` writes for a Qwen3, dense
+(``Qwen3ForCausalLM``) or a mixture of experts (``Qwen3MoeForCausalLM``, one tensor per
+expert, ``mlp.experts.<e>.{gate,up,down}_proj.weight``): ``config.json``, then
+``model.safetensors`` or shards listed by ``model.safetensors.index.json``, in bf16, fp16
+or fp32. :func:`inspect_start` reads and
 checks all of it before anything is built or written: the model's shape comes from
 ``config.json`` (:func:`model_args_from_hf`, pure), every file the index names must exist,
 every safetensors header must be whole and agree with its file, and every tensor the model
@@ -12,7 +14,10 @@ needs must be there with the shape the config implies and a float dtype. A bad s
 :func:`load_start` then fills the model through torchtitan's Qwen3 state-dict adapter and
 DCP's ``HuggingFaceStorageReader``: under FSDP each rank reads only the slices of its own
 shards (``safe_open(...).get_slice``), straight into its parameters, cast to their dtype;
-no rank holds a second full copy.
+no rank holds a second full copy. torchtitan holds an MoE layer's experts as three
+``[experts, ...]`` tensors (``moe.experts.w1/w2/w3``); the adapter splits them into HF's
+per-expert names for the read (under FSDP, each rank the experts of its shard) and stacks
+them again.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
-from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
+from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from weightcast.contract.errors import ConfigError, LayoutError
@@ -35,8 +40,11 @@ from weightcast.contract.fusion import ModelShape
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import HeaderError, TensorSpan, read_header
 from weightcast.contract.untrusted import json_object
+from weightcast.trainer.model import Qwen3MoeModelArgs, TiedQwen3Model, qwen3_moe_router
 
 ARCHITECTURE = "Qwen3ForCausalLM"
+MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
+MODEL_TYPES = {ARCHITECTURE: "qwen3", MOE_ARCHITECTURE: "qwen3_moe"}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 START_DTYPES = ("BF16", "F16", "F32")
@@ -45,6 +53,16 @@ START_DTYPES = ("BF16", "F16", "F32")
 HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0}
 MAX_POSITIONS = 32_768
 """What ``transformers``' ``Qwen3Config`` assumes when ``config.json`` leaves a field out."""
+MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+}
+"""What ``Qwen3MoeConfig`` assumes when ``config.json`` leaves a field out."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,20 +80,24 @@ class StartCheckpoint:
 
 
 def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
-    """torchtitan's Qwen3 args for a dense Qwen3 ``config.json`` (``where`` names it).
+    """torchtitan's Qwen3 args for a Qwen3 or Qwen3-MoE ``config.json`` (``where`` names it).
 
     Every field is checked for its type and bounds; what torchtitan's Qwen3 cannot build
-    (attention biases, rope scaling, sliding windows, another architecture) is refused
-    rather than ignored.
+    (attention biases, rope scaling, sliding windows, HF's router auxiliary loss, another
+    architecture) is refused rather than ignored.
     """
     architectures = config.get("architectures")
-    if architectures != [ARCHITECTURE]:
+    only = architectures[0] if isinstance(architectures, list) and len(architectures) == 1 else 0
+    model_type = MODEL_TYPES.get(only) if isinstance(only, str) else None
+    if model_type is None:
         raise ConfigError(
-            f"{where}: architectures is {architectures!r}; --init-from takes a dense "
-            f"{ARCHITECTURE} checkpoint (MoE and other models are not supported yet)"
+            f"{where}: architectures is {architectures!r}; --init-from takes a "
+            f"{ARCHITECTURE} or {MOE_ARCHITECTURE} checkpoint"
         )
-    if config.get("model_type", "qwen3") != "qwen3":
-        raise ConfigError(f"{where}: model_type is {config.get('model_type')!r}, not 'qwen3'")
+    if config.get("model_type", model_type) != model_type:
+        raise ConfigError(
+            f"{where}: model_type is {config.get('model_type')!r}, not {model_type!r}"
+        )
     for name, allowed in (
         ("attention_bias", False),
         ("use_sliding_window", False),
@@ -95,7 +117,9 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
             f"{where}: num_attention_heads {shape.num_heads} is not a multiple of "
             f"num_key_value_heads {shape.num_kv_heads}"
         )
-    return Qwen3ModelArgs(
+    moe = model_type == "qwen3_moe"
+    return (Qwen3MoeModelArgs if moe else Qwen3ModelArgs)(
+        **(_moe_fields(config, where, shape.num_layers) if moe else {}),
         vocab_size=shape.vocab_size,
         dim=shape.hidden_size,
         n_layers=shape.num_layers,
@@ -110,6 +134,63 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
         enable_weight_tying=shape.tie_word_embeddings,
         eos_id=_eos(config, where),
     )
+
+
+def _moe_fields(config: Mapping[str, Any], where: str, layers: int) -> dict[str, Any]:
+    """torchtitan's MoE args of a Qwen3-MoE ``config.json``, its router as
+    :func:`~weightcast.trainer.model.qwen3_moe_router` sets it.
+
+    ``num_experts`` is also read as ``num_local_experts``, the name transformers 5 writes.
+    The layers ``mlp_only_layers`` lists, and those ``decoder_sparse_step`` skips, are dense
+    (torchtitan's dense block, of ``intermediate_size``). ``output_router_logits`` is
+    refused: torchtitan does not compute HF's auxiliary loss (``router_aux_loss_coef`` only
+    weighs that loss, so it is unused without it).
+    """
+    fields = {name: config.get(name, default) for name, default in MOE_DEFAULTS.items()}
+    if "num_local_experts" in config:  # transformers 5 writes num_experts under this name
+        local = config["num_local_experts"]
+        if "num_experts" in config and local != config["num_experts"]:
+            raise ConfigError(
+                f"{where}: num_local_experts {local!r} and num_experts "
+                f"{config['num_experts']!r} differ"
+            )
+        fields["num_experts"] = local
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        value = fields[name]
+        if type(value) is not int or value < 1:
+            raise ConfigError(f"{where}: {name} is {value!r}, not a positive integer")
+    for name in ("norm_topk_prob", "output_router_logits"):
+        if type(fields[name]) is not bool:
+            raise ConfigError(f"{where}: {name} is {fields[name]!r}, not true or false")
+    experts, top_k = fields["num_experts"], fields["num_experts_per_tok"]
+    if top_k > experts:
+        raise ConfigError(
+            f"{where}: num_experts_per_tok {top_k} is more than num_experts {experts}"
+        )
+    step, listed = fields["decoder_sparse_step"], fields["mlp_only_layers"]
+    if type(step) is not int or step < 1:
+        raise ConfigError(f"{where}: decoder_sparse_step is {step!r}, not a positive integer")
+    if not isinstance(listed, list) or not all(type(i) is int for i in listed):
+        raise ConfigError(f"{where}: mlp_only_layers is {listed!r}, not a list of layer indices")
+    outside = [i for i in listed if not 0 <= i < layers]
+    if outside:
+        raise ConfigError(
+            f"{where}: mlp_only_layers names layer {outside[0]}; the model's layers are "
+            f"0 to {layers - 1}"
+        )
+    if fields["output_router_logits"]:
+        raise ConfigError(
+            f"{where}: output_router_logits is true: torchtitan 0.2.0's Qwen3 MoE trains "
+            "without HF's router auxiliary loss (only false is supported)"
+        )
+    # transformers' Qwen3MoeDecoderLayer: sparse unless listed or off the step
+    dense = tuple(i for i in range(layers) if i in listed or (i + 1) % step)
+    return {
+        "moe_enabled": True,
+        "moe_inter_dim": fields["moe_intermediate_size"],
+        "moe_args": qwen3_moe_router(experts, top_k, fields["norm_topk_prob"]),
+        "dense_layers": dense,
+    }
 
 
 def inspect_start(path: Path) -> StartCheckpoint:
@@ -143,16 +224,27 @@ def start_config(config: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str
 
 def check_model_flag(model: str, flavor: Qwen3ModelArgs, start: StartCheckpoint) -> None:
     """Refuse a ``--model`` flavor whose shape contradicts the checkpoint's ``config.json``."""
-    keys = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")
-    keys += ("enable_weight_tying",)
-    differ = [k for k in keys if getattr(flavor, k) != getattr(start.args, k)]
+    ours, theirs = _shape_fields(flavor), _shape_fields(start.args)
+    differ = [k for k in dict.fromkeys([*ours, *theirs]) if ours.get(k) != theirs.get(k)]
     if differ:
-        given = ", ".join(f"{k}={getattr(flavor, k)}" for k in differ)
-        found = ", ".join(f"{k}={getattr(start.args, k)}" for k in differ)
+        given = ", ".join(f"{k}={ours.get(k)}" for k in differ)
+        found = ", ".join(f"{k}={theirs.get(k)}" for k in differ)
         raise ConfigError(
             f"trainer.model {model!r} ({given}) contradicts {start.path / CONFIG_NAME} "
             f"({found}); leave --model out to train the checkpoint's own shape"
         )
+
+
+def _shape_fields(args: Qwen3ModelArgs) -> dict[str, Any]:
+    """The fields of ``args`` that ``config.json`` fixes (the experts' only for an MoE)."""
+    keys = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "hidden_dim")
+    fields = {k: getattr(args, k) for k in (*keys, "enable_weight_tying", "moe_enabled")}
+    if args.moe_enabled:
+        moe = args.moe_args
+        fields |= {"moe_inter_dim": args.moe_inter_dim, "num_experts": moe.num_experts}
+        fields |= {"top_k": moe.top_k, "route_norm": moe.route_norm}
+        fields |= {"dense_layers": getattr(args, "dense_layers", ())}
+    return fields
 
 
 def load_start(model: torch.nn.Module, start: StartCheckpoint) -> None:
@@ -176,7 +268,7 @@ def expected_tensors(args: Qwen3ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every HF tensor torchtitan's Qwen3 with ``args`` holds, with its shape (built on the
     meta device: nothing is allocated)."""
     with torch.device("meta"):
-        model = Qwen3Model(args)
+        model = TiedQwen3Model(args)
     names = Qwen3StateDictAdapter(args, None).to_hf(model.state_dict())
     if args.enable_weight_tying:
         names.pop("lm_head.weight", None)

@@ -97,6 +97,11 @@ def build_job_config(
                     f"[trainer.{section_name}] {key} is set by weightcast; use {instead}"
                 )
             setattr(section, key, value)
+    if job.training.debug_moe_force_load_balance:
+        raise ConfigError(
+            "[trainer.training] debug_moe_force_load_balance routes tokens round-robin in "
+            "training, not as the published model routes them; leave it false"
+        )
     job.checkpoint.enable = True
     job.checkpoint.folder = str(resume_dir or Path(job.checkpoint.folder).absolute())
     job.checkpoint.last_save_model_only = False

@@ -171,3 +171,16 @@ def read_train_state(checkpoint: Path) -> TrainState:
     dcp.load(target, checkpoint_id=str(checkpoint), no_dist=True)
     state.load_state_dict(target[STATE_KEY])
     return state
+
+
+def read_model_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors of one resume checkpoint (torchtitan's names, their saved dtype),
+    read without a model or process group: no optimizer, LR schedule or train state."""
+    meta = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state = {
+        name: torch.empty(tuple(item.size), dtype=item.properties.dtype)
+        for name, item in meta.items()
+        if hasattr(item, "size") and not name.startswith(("optimizer", "lr_scheduler", "train"))
+    }
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return state

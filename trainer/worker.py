@@ -228,10 +228,18 @@ class Trainer(ForgeEngine):
     # -- construction, in the order __init__ runs it --------------------------------------
 
     def _require_data_parallel_only(self) -> None:
+        """FSDP only; an MoE's experts split evenly over the FSDP ranks (torchtitan's
+        state-dict adapter, which names them for loads and snapshots, needs it)."""
         dims = self.parallel_dims
-        if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:
+        if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.ep_enabled:
             raise ConfigError(
                 "only data parallelism (FSDP) is supported: every rank reads its own batches"
+            )
+        experts = self.model_args.moe_args.num_experts if self.model_args.moe_enabled else 0
+        if experts % dims.dp_shard:
+            raise ConfigError(
+                f"the model's {experts} experts do not split evenly over {dims.dp_shard} FSDP "
+                "ranks; run a number of ranks that divides them"
             )
 
     def _take_over_checkpoint_cadence(self) -> None:

@@ -102,15 +102,22 @@ class ReadStats:
     """Why a reader that keeps its base read the full version."""
 
 
-def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int) -> list[Want]:
+def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int, ep: int = 1) -> list[Want]:
     """What vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of each tensor.
 
     Per-rank files: that rank's entries, whole. Otherwise each tensor's
-    :func:`~weightcast.contract.sharding.rank_slice`. Raises
-    :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version cannot serve.
+    :func:`~weightcast.contract.sharding.rank_slice` (of a mixture of experts: the rank's
+    block of experts, one contiguous range). ``ep`` is the engine's expert parallelism (1, or
+    ``tp_size`` with vLLM's ``enable_expert_parallel``). Raises
+    :class:`~weightcast.contract.errors.LayoutError` for a placement the version cannot serve.
     """
     if not 0 <= tp_rank < tp_size:
         raise LayoutError(f"rank {tp_rank} is outside tp={tp_size}")
+    if manifest.ep is not None and manifest.ep != ep:
+        raise LayoutError(
+            f"version {manifest.version} lays its experts out for ep={manifest.ep}, not ep={ep} "
+            f"(publish {'with' if ep > 1 else 'without'} --expert-parallel)"
+        )
     if manifest.per_rank_files:
         if manifest.tp != tp_size:
             raise LayoutError(
@@ -195,7 +202,7 @@ class VersionReader:
         return self._read(info, whole_wants, ("whole",))
 
     def rank_tensors(
-        self, info: VersionInfo, tp_rank: int, tp_size: int
+        self, info: VersionInfo, tp_rank: int, tp_size: int, ep: int = 1
     ) -> dict[str, torch.Tensor]:
         """What vLLM's rank ``tp_rank`` of ``tp_size`` holds of each tensor, verified.
 
@@ -203,12 +210,13 @@ class VersionReader:
         or 2 version, a whole row-parallel tensor, whose columns are the rank's part;
         per-rank files: that rank's file). Raises
         :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version was not
-        fused for, :class:`WeightsError` for anything wrong on disk.
+        fused for (or experts laid out for another ``ep``), :class:`WeightsError` for anything
+        wrong on disk.
         """
         return self._read(
             info,
-            lambda manifest: rank_wants(manifest, tp_rank, tp_size),
-            ("rank", tp_rank, tp_size),
+            lambda manifest: rank_wants(manifest, tp_rank, tp_size, ep),
+            ("rank", tp_rank, tp_size, ep),
         )
 
     def _read(

@@ -158,12 +158,12 @@ class WeightsClient:
         return self.files.config(self._info(version))
 
     def rank_tensors(
-        self, version: int | VersionInfo, tp_rank: int, tp_size: int
+        self, version: int | VersionInfo, tp_rank: int, tp_size: int, ep: int = 1
     ) -> dict[str, torch.Tensor]:
-        """What vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` holds of each tensor,
-        reading and verifying only the blocks that hold it (see
+        """What vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` (expert parallelism
+        ``ep``) holds of each tensor, reading and verifying only the blocks that hold it (see
         :meth:`weightcast.client.reader.VersionReader.rank_tensors`)."""
-        return self.files.rank_tensors(self._info(version), tp_rank, tp_size)
+        return self.files.rank_tensors(self._info(version), tp_rank, tp_size, ep)
 
     def report_loaded(
         self, version: int, error: str = "", via: str = "", read_bytes: int = 0
@@ -274,9 +274,9 @@ class AsyncWeightsClient:
         return await asyncio.to_thread(self.client.config, version)
 
     async def rank_tensors(
-        self, version: int | VersionInfo, tp_rank: int, tp_size: int
+        self, version: int | VersionInfo, tp_rank: int, tp_size: int, ep: int = 1
     ) -> dict[str, torch.Tensor]:
-        return await asyncio.to_thread(self.client.rank_tensors, version, tp_rank, tp_size)
+        return await asyncio.to_thread(self.client.rank_tensors, version, tp_rank, tp_size, ep)
 
     async def report_loaded(
         self, version: int, error: str = "", via: str = "", read_bytes: int = 0

@@ -41,6 +41,8 @@ _FUSED_GATE_UP = re.compile(r"^(model\.layers\.\d+\.mlp)\.gate_up_proj\.(weight|
 _FUSED_PART = re.compile(r"\.(k_proj|v_proj|up_proj)\.(weight|bias)$")
 _ROW_PARALLEL = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+_DENSE_MLP = ("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")
+_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,14 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    num_experts: int = 0
+    """Routed experts of each sparse layer (0: a dense Qwen3)."""
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP in a mixture of experts."""
+    norm_topk_prob: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
@@ -66,8 +76,9 @@ class ModelShape:
         """
         heads = _config_number(config, "num_attention_heads")
         hidden = _config_number(config, "hidden_size")
+        layers = _config_number(config, "num_hidden_layers")
         return cls(
-            num_layers=_config_number(config, "num_hidden_layers"),
+            num_layers=layers,
             hidden_size=hidden,
             intermediate_size=_config_number(config, "intermediate_size"),
             num_heads=heads,
@@ -76,6 +87,19 @@ class ModelShape:
             vocab_size=_config_number(config, "vocab_size"),
             tie_word_embeddings=_config_flag(config, "tie_word_embeddings"),
             attention_bias=_config_flag(config, "attention_bias"),
+            **_moe_fields(config, layers),
+        )
+
+    @property
+    def moe(self) -> bool:
+        return self.num_experts > 0
+
+    def sparse(self, layer: int) -> bool:
+        """Whether ``layer`` has routed experts (vLLM's and transformers' rule)."""
+        return (
+            self.moe
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     @property
@@ -97,6 +121,76 @@ def _config_number(config: Mapping[str, Any], name: str, default: int | None = N
     if type(value) is not int or value < 1:
         raise LayoutError(f"config.json: {name} is {value!r}, not a positive integer")
     return value
+
+
+_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+"""What transformers' ``Qwen3MoeConfig`` (and so vLLM) assumes for a field left out."""
+
+
+def _moe_fields(config: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """The mixture-of-experts fields of a Qwen3-MoE ``config.json`` (none for a dense one),
+    read as the trainer's ``hf_start`` reads them (the same messages).
+
+    Qwen's own configs name the expert count ``num_experts``; transformers 5 writes
+    ``num_local_experts``. Either, or ``model_type`` ``qwen3_moe``, makes the config a MoE one;
+    fields left out take ``Qwen3MoeConfig``'s defaults, as vLLM's engine does.
+    """
+    named = {"num_experts", "num_local_experts"} & set(config)
+    if not named and config.get("model_type") != "qwen3_moe":
+        return {}
+    fields = {name: config.get(name, default) for name, default in _MOE_DEFAULTS.items()}
+    if "num_local_experts" in config:
+        local = config["num_local_experts"]
+        if "num_experts" in config and local != config["num_experts"]:
+            raise LayoutError(
+                f"config.json: num_local_experts {local!r} and num_experts "
+                f"{config['num_experts']!r} differ"
+            )
+        fields["num_experts"] = local
+    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+        _moe_number(fields, name)
+    _moe_number(fields, "decoder_sparse_step")
+    if type(fields["norm_topk_prob"]) is not bool:
+        raise LayoutError(
+            f"config.json: norm_topk_prob is {fields['norm_topk_prob']!r}, not true or false"
+        )
+    experts, top_k = fields["num_experts"], fields["num_experts_per_tok"]
+    if top_k > experts:
+        raise LayoutError(
+            f"config.json: num_experts_per_tok {top_k} is more than num_experts {experts}"
+        )
+    listed = fields["mlp_only_layers"]
+    if not isinstance(listed, list) or not all(type(i) is int for i in listed):
+        raise LayoutError(
+            f"config.json: mlp_only_layers is {listed!r}, not a list of layer indices"
+        )
+    outside = [i for i in listed if not 0 <= i < layers]
+    if outside:
+        raise LayoutError(
+            f"config.json: mlp_only_layers names layer {outside[0]}; the model's layers are "
+            f"0 to {layers - 1}"
+        )
+    return {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": fields["moe_intermediate_size"],
+        "decoder_sparse_step": fields["decoder_sparse_step"],
+        "mlp_only_layers": tuple(sorted(set(listed))),
+        "norm_topk_prob": fields["norm_topk_prob"],
+    }
+
+
+def _moe_number(fields: Mapping[str, Any], name: str) -> None:
+    value = fields[name]
+    if type(value) is not int or value < 1:
+        raise LayoutError(f"config.json: {name} is {value!r}, not a positive integer")
 
 
 def _config_flag(config: Mapping[str, Any], name: str) -> bool:
@@ -188,8 +282,21 @@ def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
     m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
     if m is None:
         return None
-    if int(m.group(1)) >= shape.num_layers:
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= shape.num_layers:
         raise LayoutError(f"{name}: the config has only {shape.num_layers} layers")
+    if shape.sparse(layer):
+        if rest.startswith(_DENSE_MLP):
+            raise LayoutError(f"{name}: layer {layer} has experts, not a dense MLP")
+        if rest == "mlp.gate.weight":
+            return (shape.num_experts, h)
+        if e := _EXPERT.match(rest):
+            if int(e.group(1)) >= shape.num_experts:
+                raise LayoutError(f"{name}: the config has only {shape.num_experts} experts")
+            moe = shape.moe_intermediate_size
+            return (h, moe) if e.group(2) == "down_proj" else (moe, h)
+    elif rest.startswith(("mlp.gate.", "mlp.experts.")):
+        raise LayoutError(f"{name}: layer {layer} is dense (no experts)")
     known = {
         "self_attn.q_proj.weight": (q, h),
         "self_attn.k_proj.weight": (kv, h),
@@ -206,7 +313,7 @@ def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
         "input_layernorm.weight": (h,),
         "post_attention_layernorm.weight": (h,),
     }
-    return known.get(m.group(2))
+    return known.get(rest)
 
 
 def check_shapes(shapes: Mapping[str, Sequence[int]], shape: ModelShape) -> None:
@@ -273,7 +380,7 @@ def plan_vllm_fused(
         if m := _QKV.match(name):
             prefix, kind = m.groups()
             q, k, v = (f"{prefix}.{p}_proj.{kind}" for p in "qkv")
-            _expect_rows(source_rows, {q: shape.q_rows, k: shape.kv_rows, v: shape.kv_rows})
+            expect_rows(source_rows, {q: shape.q_rows, k: shape.kv_rows, v: shape.kv_rows})
             q_per_rank = shape.q_rows // tp
             kv_per_rank = kv_head_of_rank(shape, tp, 0)[1] * shape.head_dim
             planned.append(
@@ -287,7 +394,7 @@ def plan_vllm_fused(
         elif m := _GATE.match(name):
             prefix, kind = m.groups()
             gate, up = f"{prefix}.gate_proj.{kind}", f"{prefix}.up_proj.{kind}"
-            _expect_rows(source_rows, {gate: shape.intermediate_size, up: shape.intermediate_size})
+            expect_rows(source_rows, {gate: shape.intermediate_size, up: shape.intermediate_size})
             per_rank = shape.intermediate_size // tp
             planned.append(
                 FusedTensor(
@@ -306,7 +413,7 @@ def plan_vllm_fused(
             planned.append(_row_parallel(name, rows, shape, tp))
         else:
             planned.append(FusedTensor(name, (RowRange(name, 0, rows),), _unfused_shard(name)))
-    return sorted(planned, key=lambda t: _natural_key(t.name))
+    return sorted(planned, key=lambda t: natural_key(t.name))
 
 
 def _row_parallel(name: str, rows: int, shape: ModelShape, tp: int) -> FusedTensor:
@@ -401,7 +508,8 @@ def _unfused_shard(name: str) -> Shard:
     return Shard(ShardKind.REPLICATED)
 
 
-def _expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) -> None:
+def expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) -> None:
+    """Raise :class:`LayoutError` unless every source is there with the rows it must have."""
     for name, rows in expected.items():
         if name not in source_rows:
             raise LayoutError(f"{name} is missing from the snapshot")
@@ -409,5 +517,6 @@ def _expect_rows(source_rows: Mapping[str, int], expected: Mapping[str, int]) ->
             raise LayoutError(f"{name} has {source_rows[name]} rows; the config implies {rows}")
 
 
-def _natural_key(name: str) -> list[Any]:
+def natural_key(name: str) -> list[Any]:
+    """Sort key putting ``layers.2`` before ``layers.10``."""
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]

@@ -203,6 +203,11 @@ class Manifest:
     hf_dir: str | None = None
     """Set when the version also holds the plain HF layout in this subdirectory (``hf``)."""
     format: str = MANIFEST_FORMAT
+    ep: int | None = None
+    """A fused mixture of experts only (absent otherwise): the expert parallelism its
+    ``experts`` tensors are laid out for, 1 (each expert split over the ``tp`` ranks) or
+    ``tp`` (vLLM's ``enable_expert_parallel``: whole experts per rank). With ``tp`` it names
+    the one placement the version serves."""
     delta: Delta | None = None
     """The delta from an earlier version written beside this one (format 3), if any."""
 
@@ -214,6 +219,8 @@ class Manifest:
         raw = asdict(self)
         for entry, tensor in zip(raw["tensors"], self.tensors, strict=True):
             entry["shard"] = tensor.shard.as_json()
+        if self.ep is None:
+            del raw["ep"]  # dense versions stay readable by readers that know no experts
         return json.dumps(raw, indent=1, sort_keys=True)
 
     @classmethod
@@ -236,7 +243,13 @@ class Manifest:
             layout=top.text("layout", (LAYOUT_VLLM_FUSED, LAYOUT_HF)),
             tp=top.integer("tp", minimum=1),
             per_rank_files=top.flag("per_rank_files", False),
+            ep=top.optional_integer("ep", minimum=1),
         )
+        if context.ep is not None and context.ep not in (1, context.tp):
+            raise ManifestError(
+                f"ep is {context.ep}: a tp={context.tp} version's experts are laid out for "
+                f"ep 1 or {context.tp}"
+            )
         delta = top.value("delta", None)
         manifest = cls(
             version=top.integer("version"),
@@ -253,6 +266,7 @@ class Manifest:
             per_rank_files=context.per_rank_files,
             hf_dir=top.optional_text("hf_dir"),
             format=top.text("format"),
+            ep=context.ep,
             delta=None if delta is None else delta_from_json(delta, ManifestError),
         )
         if manifest.delta is not None:
@@ -271,6 +285,7 @@ class _Context:
     layout: str
     tp: int
     per_rank_files: bool
+    ep: int | None
 
 
 def _check_delta(delta: Delta, version: int, files: dict[str, FileEntry]) -> None:
@@ -344,6 +359,11 @@ def _tensor_entry(
         )
     if (shard.kind == ShardKind.HF) != (context.layout == LAYOUT_HF):
         raise ManifestError(f"{where}.shard is {shard.kind}, in a {context.layout} version")
+    if shard.kind == ShardKind.EXPERTS and shard.ep != context.ep:
+        placement = "that names no ep" if context.ep is None else f"for ep={context.ep}"
+        raise ManifestError(
+            f"{where}.shard is laid out for ep={shard.ep}, in a version {placement}"
+        )
     if context.per_rank_files != (entry.rank is not None) or (entry.rank or 0) >= context.tp:
         raise ManifestError(
             f"{where}.rank is {entry.rank!r}: a version "

@@ -9,12 +9,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from weightcast.contract.errors import LayoutError
+from weightcast.contract.experts import ExpertTensor, is_expert_source, plan_experts
 from weightcast.contract.fusion import (
     ColumnRange,
     FusedTensor,
     ModelShape,
     Region,
     RowRange,
+    natural_key,
     plan_vllm_fused,
 )
 from weightcast.contract.layout import (
@@ -74,6 +76,8 @@ class VersionPlan:
     fused: tuple[PlannedFile, ...]
     hf: tuple[PlannedFile, ...]
     hf_dir: str | None
+    ep: int | None = None
+    """The expert parallelism the fused experts are laid out for (None: no experts)."""
 
     @property
     def files(self) -> tuple[PlannedFile, ...]:
@@ -99,6 +103,7 @@ def plan_version(
     tp: int,
     layout: str = LAYOUT_VLLM_FUSED,
     per_rank_files: bool = False,
+    ep: int = 1,
 ) -> VersionPlan:
     """Plan the files of a version from the snapshot's tensors (name -> (dtype, shape)).
 
@@ -106,15 +111,21 @@ def plan_version(
     (tp > 1) one ``model-rank-RR-of-TT.vllm-fused`` per rank holding exactly what
     :func:`rank_slice` gives that rank. ``hf``: the source tensors as they are (a tied
     ``lm_head`` left out) in shards of at most :data:`HF_SHARD_BYTES`. ``both``: the fused
-    files, and the HF shards under ``hf/``. Raises :class:`LayoutError`.
+    files, and the HF shards under ``hf/``. A mixture of experts' expert tensors become
+    vLLM's ``FusedMoE`` parameters for ``ep`` (1, or ``tp`` for expert parallelism; see
+    :mod:`weightcast.contract.experts`). Raises :class:`LayoutError`.
     """
     if layout not in LAYOUTS:
         raise LayoutError(f"unknown layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
     per_rank = per_rank_files and tp > 1
     fused: tuple[PlannedFile, ...] = ()
     if layout != LAYOUT_HF:
-        plan = plan_vllm_fused({n: s[0] for n, (_, s) in sources.items()}, shape, tp)
-        whole = [_fused_whole(p, sources) for p in plan]
+        rows = {n: s[0] for n, (_, s) in sources.items()}
+        dense = {n: r for n, r in rows.items() if not is_expert_source(n)}
+        whole = [_fused_whole(p, sources) for p in plan_vllm_fused(dense, shape, tp)]
+        if shape.moe:
+            whole += [_expert_whole(p, sources) for p in plan_experts(rows, shape, tp, ep)]
+            whole.sort(key=lambda t: natural_key(t.name))
         if per_rank:
             fused = tuple(
                 PlannedFile(
@@ -128,16 +139,30 @@ def plan_version(
     hf_dir = HF_DIR if layout == LAYOUT_BOTH else None
     if layout != LAYOUT_VLLM_FUSED:
         hf = _hf_files(sources, shape, f"{hf_dir}/" if hf_dir else "")
-    return VersionPlan(layout, tp, per_rank, fused, hf, hf_dir)
+    placed = ep if shape.moe and layout != LAYOUT_HF else None
+    return VersionPlan(layout, tp, per_rank, fused, hf, hf_dir, placed)
 
 
 def _fused_whole(p: FusedTensor, sources: Mapping[str, tuple[str, Sequence[int]]]) -> PlannedTensor:
-    dtypes = {sources[piece.source][0] for piece in p.pieces}
-    if len(dtypes) != 1:
-        raise LayoutError(f"{p.name}: its parts have different dtypes {sorted(dtypes)}")
     first, piece = tuple(sources[p.pieces[0].source][1]), p.pieces[0]
     trailing = (piece.stop - piece.start,) if isinstance(piece, ColumnRange) else first[1:]
-    return PlannedTensor(p.name, dtypes.pop(), (p.rows, *trailing), p.pieces, p.shard)
+    dtype = _one_dtype(p.name, p.pieces, sources)
+    return PlannedTensor(p.name, dtype, (p.rows, *trailing), p.pieces, p.shard)
+
+
+def _expert_whole(
+    p: ExpertTensor, sources: Mapping[str, tuple[str, Sequence[int]]]
+) -> PlannedTensor:
+    return PlannedTensor(p.name, _one_dtype(p.name, p.pieces, sources), p.shape, p.pieces, p.shard)
+
+
+def _one_dtype(
+    name: str, pieces: Sequence[Region], sources: Mapping[str, tuple[str, Sequence[int]]]
+) -> str:
+    dtypes = {sources[piece.source][0] for piece in pieces}
+    if len(dtypes) != 1:
+        raise LayoutError(f"{name}: its parts have different dtypes {sorted(dtypes)}")
+    return dtypes.pop()
 
 
 def _rank_part(whole: PlannedTensor, rank: int, tp: int) -> PlannedTensor:
@@ -145,6 +170,12 @@ def _rank_part(whole: PlannedTensor, rank: int, tp: int) -> PlannedTensor:
     part = rank_slice(whole.shard, whole.shape, rank, tp)
     if part is None:
         return PlannedTensor(whole.name, whole.dtype, whole.shape, whole.regions, whole.shard, rank)
+    if whole.shard.kind == ShardKind.EXPERTS:
+        # Rows here are experts (dim 0 of a 3-D tensor), each made of the same number of pieces.
+        per_expert = len(whole.regions) // whole.shape[0]
+        regions = whole.regions[part.start * per_expert : part.stop * per_expert]
+        size = (part.stop - part.start, *whole.shape[1:])
+        return PlannedTensor(whole.name, whole.dtype, size, regions, whole.shard, rank)
     if part.dim != 0:
         raise LayoutError(f"{whole.name}: cannot split along dim {part.dim}")
     regions = _rows_of(whole.name, whole.regions, part.start, part.stop)

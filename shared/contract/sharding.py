@@ -36,18 +36,27 @@ class ShardKind(enum.StrEnum):
     """``RowParallelLinear`` laid out per rank (format 3): each rank's input columns, a
     ``[out_rows, columns / tp]`` part, rank after rank along dim 0, so that a rank's part is
     one contiguous range."""
+    EXPERTS = "experts"
+    """vLLM's fused ``FusedMoE`` parameters (``w13_weight``, ``w2_weight``): each rank's
+    ``[experts, ...]`` block, rank after rank (see :mod:`weightcast.contract.experts`)."""
     REPLICATED = "replicated"
     """Every rank holds all of it."""
     HF = "hf"
     """A whole HF tensor; vLLM's own loaders take each rank's share."""
 
 
-FUSED_KINDS = (ShardKind.QKV, ShardKind.GATE_UP, ShardKind.ROW_PARALLEL_RANKS)
+FUSED_KINDS = (
+    ShardKind.QKV,
+    ShardKind.GATE_UP,
+    ShardKind.ROW_PARALLEL_RANKS,
+    ShardKind.EXPERTS,
+)
 """Kinds laid out for one tp, each rank's ``rank_rows`` rows after the previous rank's."""
 _DIMS = {
     ShardKind.QKV: 0,
     ShardKind.GATE_UP: 0,
     ShardKind.ROW_PARALLEL_RANKS: 0,
+    ShardKind.EXPERTS: 0,
     ShardKind.VOCAB_PARALLEL: 0,
     ShardKind.ROW_PARALLEL: 1,
 }
@@ -55,15 +64,20 @@ _ROW_FIELDS = {
     ShardKind.QKV: ("q_rows", "kv_rows"),
     ShardKind.GATE_UP: ("gate_rows",),
     ShardKind.ROW_PARALLEL_RANKS: ("out_rows",),
+    ShardKind.EXPERTS: ("ep", "experts"),
 }
+_NUMBERS = ("tp", "q_rows", "kv_rows", "gate_rows", "out_rows", "ep", "experts")
 
 
 @dataclass(frozen=True)
 class Shard:
     """A tensor's shard spec. Fused kinds carry the tp they were laid out for and each rank's
     rows: ``q_rows`` and ``kv_rows`` (qkv: ``rank_rows = q_rows + 2 * kv_rows``),
-    ``gate_rows`` (gate_up: ``rank_rows = 2 * gate_rows``) or ``out_rows`` (row_parallel_ranks:
-    the HF tensor's rows, ``rank_rows = out_rows``)."""
+    ``gate_rows`` (gate_up: ``rank_rows = 2 * gate_rows``), ``out_rows`` (row_parallel_ranks:
+    the HF tensor's rows, ``rank_rows = out_rows``) or ``ep`` and ``experts`` (experts:
+    ``rank_rows = experts``, the experts each rank holds; ``ep`` is 1 when every rank holds
+    every expert's slice of the intermediate dimension, ``tp`` when each rank holds whole
+    experts: vLLM's expert parallelism spans all ranks or none)."""
 
     kind: ShardKind
     tp: int | None = None
@@ -71,14 +85,21 @@ class Shard:
     kv_rows: int | None = None
     gate_rows: int | None = None
     out_rows: int | None = None
+    ep: int | None = None
+    experts: int | None = None
 
     def __post_init__(self) -> None:
         numbers = {"tp", *_ROW_FIELDS.get(self.kind, ())} if self.fused else set()
-        for name in ("tp", "q_rows", "kv_rows", "gate_rows", "out_rows"):
+        for name in _NUMBERS:
             if (getattr(self, name) is None) == (name in numbers):
                 raise LayoutError(
                     f"a {self.kind} shard {'needs' if name in numbers else 'has no'} {name}"
                 )
+        if self.ep is not None and self.ep not in (1, self.tp):
+            raise LayoutError(
+                f"ep {self.ep} with tp={self.tp}: vLLM's expert parallelism spans every rank "
+                f"or none (ep 1 or {self.tp})"
+            )
 
     @classmethod
     def qkv(cls, tp: int, q_rows: int, kv_rows: int) -> Shard:
@@ -91,6 +112,10 @@ class Shard:
     @classmethod
     def row_parallel_ranks(cls, tp: int, out_rows: int) -> Shard:
         return cls(ShardKind.ROW_PARALLEL_RANKS, tp=tp, out_rows=out_rows)
+
+    @classmethod
+    def expert_block(cls, tp: int, ep: int, experts: int) -> Shard:
+        return cls(ShardKind.EXPERTS, tp=tp, ep=ep, experts=experts)
 
     @property
     def dim(self) -> int | None:
@@ -108,6 +133,8 @@ class Shard:
             return (self.q_rows or 0) + 2 * (self.kv_rows or 0)
         if self.kind == ShardKind.ROW_PARALLEL_RANKS:
             return self.out_rows or 0
+        if self.kind == ShardKind.EXPERTS:
+            return self.experts or 0
         return 2 * (self.gate_rows or 0)
 
     def as_json(self) -> dict[str, Any]:
@@ -171,6 +198,8 @@ def _check_dims(shard: Shard, shape: Sequence[int]) -> None:
         raise LayoutError(f"a {shard.kind} tensor of shape {list(shape)} has no dim {shard.dim}")
     if shard.kind in (ShardKind.ROW_PARALLEL, ShardKind.ROW_PARALLEL_RANKS) and len(shape) != 2:
         raise LayoutError(f"a {shard.kind} tensor is a matrix, not {list(shape)}")
+    if shard.kind == ShardKind.EXPERTS and len(shape) != 3:
+        raise LayoutError(f"an {shard.kind} tensor has 3 dimensions, not {list(shape)}")
 
 
 def _positive(raw: Mapping[str, Any], name: str) -> int:

@@ -67,11 +67,17 @@ class UniformPolicy:
 
 
 class ModelPolicy:
-    """A published version in transformers' ``Qwen3ForCausalLM``, sampled with a KV cache."""
+    """A published version in transformers' ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM``
+    when its ``config.json`` names that), sampled with a KV cache."""
 
     def __init__(self, version: int, config: Mapping[str, Any], hf_tensors: dict[str, Any]):
         try:
-            from transformers import Qwen3Config, Qwen3ForCausalLM
+            from transformers import (
+                Qwen3Config,
+                Qwen3ForCausalLM,
+                Qwen3MoeConfig,
+                Qwen3MoeForCausalLM,
+            )
         except ImportError as exc:
             raise ImportError(
                 "the rollout node samples with transformers, which is not installed: "
@@ -80,15 +86,32 @@ class ModelPolicy:
 
         self.version = version
         self.vocab_size = int(config["vocab_size"])
-        hf_config = Qwen3Config.from_dict({**config, "torch_dtype": "float32"})
-        self.model = Qwen3ForCausalLM(hf_config).eval()
+        moe = config.get("architectures") == ["Qwen3MoeForCausalLM"]
+        config_cls, model_cls = (
+            (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
+        )
+        hf_config = config_cls.from_dict({**config, "torch_dtype": "float32"})
         state = {name: t.float() for name, t in hf_tensors.items()}
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        tied = ["lm_head.weight"] if hf_config.tie_word_embeddings else []
-        if missing != tied or unexpected:
+        # from_pretrained, not load_state_dict: transformers 5 holds an MoE's experts stacked
+        # and turns HF's per-expert tensors into them as it loads them
+        misfit = f"version {version} does not fit {model_cls.__name__}"
+        try:
+            self.model, info = model_cls.from_pretrained(
+                None,
+                config=hf_config,
+                state_dict=state,
+                dtype=torch.float32,
+                output_loading_info=True,
+            )
+        except RuntimeError as exc:  # an expert's tensors that do not stack, a wrong shape
+            raise WeightsError(f"{misfit}: {str(exc).splitlines()[0]}") from None
+        self.model.eval()
+        tied = {"lm_head.weight"} if hf_config.tie_word_embeddings else set()
+        missing, unexpected = sorted(set(info["missing_keys"]) - tied), info["unexpected_keys"]
+        if missing or unexpected or info["mismatched_keys"]:
             raise WeightsError(
-                f"version {version} does not fit Qwen3ForCausalLM: missing {missing}, "
-                f"unexpected {unexpected}"
+                f"{misfit}: missing {missing}, unexpected {sorted(unexpected)}, "
+                f"mismatched {sorted(info['mismatched_keys'])}"
             )
 
     @classmethod

@@ -32,8 +32,10 @@ COMMANDS = {
 """Every ``weightcast`` command and what it does (its ``--help`` line)."""
 
 MODELS = ("tiny", "small", "debugmodel", "0.6B", "1.7B", "4B", "8B", "14B", "32B")
-"""The dense Qwen3 flavors the trainer builds: weightcast's ``tiny`` and ``small`` and
-torchtitan 0.2.0's own (a test checks this list against the trainer's registry)."""
+MOE_MODELS = ("tiny-moe", "debugmodel_moe", "30B-A3B", "235B-A22B")
+"""The Qwen3 flavors the trainer builds, dense (``MODELS``) and mixtures of experts
+(``MOE_MODELS``): weightcast's ``tiny``, ``small`` and ``tiny-moe`` and torchtitan 0.2.0's
+own (a test checks these lists against the trainer's registry)."""
 
 READERS = ("auto", "dcp-load")
 PAUSE_MODES = ("wait", "abort")
@@ -150,13 +152,13 @@ class TrainerConfig:
         "Qwen3 flavor to build with random weights; with init_from the checkpoint's config.json "
         "gives the shape, and a model given too must agree with it",
         flag="--model",
-        choices=MODELS,
+        choices=MODELS + MOE_MODELS,
     )
     init_from: str = setting(
         "",
         "start a fresh run from this Hugging Face checkpoint directory (config.json and "
-        "model.safetensors or shards, as save_pretrained writes them; dense Qwen3, bf16, fp16 "
-        "or fp32); a run that finds a resume checkpoint resumes from it instead",
+        "model.safetensors or shards, as save_pretrained writes them; Qwen3 or Qwen3-MoE, "
+        "bf16, fp16 or fp32); a run that finds a resume checkpoint resumes from it instead",
         flag="--init-from",
         commands=("trainer", "up"),
     )
@@ -306,6 +308,13 @@ class PublisherConfig:
         False,
         "with tp > 1, one safetensors file per rank holding exactly that rank's parameters",
         flag="--per-rank-files",
+    )
+    expert_parallel: bool = setting(
+        False,
+        "mixtures of experts: lay experts out for vLLM's --enable-expert-parallel (whole "
+        "experts per rank, ep = tp; tp must divide the experts) instead of splitting each "
+        "expert's intermediate dimension over the tp ranks",
+        flag="--expert-parallel",
     )
     reader: str = setting(
         "auto",

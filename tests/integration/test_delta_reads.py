@@ -150,3 +150,16 @@ def test_without_a_base_or_a_delta_the_node_reads_in_full(run: Run) -> None:
     assert run.manifest(version).delta is None
     node.rank_tensors(version, 0, TP)
     assert node.files.stats.reason == f"version {version} has no delta"
+
+
+def test_a_delta_read_lands_in_host_memory_under_a_default_device_context(run: Run) -> None:
+    """As a full read (test_weights_client): under ``torch.device("cuda")``, for which the
+    meta device stands in here, the parts a delta rebuilds are still host tensors."""
+    node, full = keeping(run), run.deployment.reader()
+    node.rank_tensors(run.publish(), 0, TP)  # the base the node keeps
+    version = run.publish()
+    with torch.device("meta"):
+        mine = node.rank_tensors(version, 0, TP)
+    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert {t.device.type for t in mine.values()} == {"cpu"}
+    assert same(mine, full.rank_tensors(version, 0, TP))

@@ -168,6 +168,19 @@ def fused_norm(rank_rows: int) -> Callable[[dict], None]:
     return change
 
 
+def fused_experts_norm(manifest: dict) -> None:
+    """``model.norm.weight`` described as vLLM's FusedMoE experts, 2**40 experts a rank."""
+    index = tensor_index(manifest, "model.norm.weight")
+    manifest["tensors"][index]["shard"] = {
+        "kind": "experts",
+        "dim": 0,
+        "tp": TP,
+        "rank_rows": 2**40,
+        "ep": TP,
+        "experts": 2**40,
+    }
+
+
 WEIGHTS = 0  # files[0] is model.vllm-fused (config.json is written, and listed, last)
 
 HOSTILE_FIELDS = {
@@ -211,6 +224,24 @@ HOSTILE_FIELDS = {
         ),
         r"embed_tokens\.weight\): 35184372088832 bytes of bfloat16 \[1099511627776, 16\], "
         r"more than its file model\.vllm-fused holds",
+    ),
+    "a norm described as experts of 2**40 a rank": (
+        lambda m: m.update(ep=TP) or fused_experts_norm(m),
+        r"tensors\[\d+\] \(model\.norm\.weight\)\.shard does not fit its shape \[16\]: an "
+        r"experts tensor has 3 dimensions",
+    ),
+    "an experts shard in a version that names no ep": (
+        fused_experts_norm,
+        r"\(model\.norm\.weight\)\.shard is laid out for ep=2, in a version that names no ep",
+    ),
+    "an ep that is neither 1 nor tp": (
+        lambda m: m.update(ep=3),
+        r"ep is 3: a tp=2 version's experts are laid out for ep 1 or 2",
+    ),
+    "a float ep": (lambda m: m.update(ep=2.0), r"ep is 2\.0, not an integer >= 1"),
+    "an experts shard of another ep than the version's": (
+        lambda m: m.update(ep=1) or fused_experts_norm(m),
+        r"\.shard is laid out for ep=2, in a version for ep=1",
     ),
     "a shape of 100000 dimensions": (
         lambda m: m["tensors"][0].update(shape=[2**62] * 100_000),

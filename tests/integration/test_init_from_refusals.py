@@ -76,7 +76,9 @@ CASES: dict[str, Callable[[Path], str]] = {
     "index-names-a-missing-shard": drop_shard,
     "wrong-shape": wrong_shape,
     "wrong-dtype": wrong_dtype,
-    "moe-architecture": lambda start: edit_config(start, architectures=["Qwen3MoeForCausalLM"]),
+    "moe-architecture-on-dense-weights": lambda start: edit_config(
+        start, architectures=["Qwen3MoeForCausalLM"]
+    ),
     "config-not-json": lambda start: (start / "config.json").write_text("{") and "config.json",
 }
 
@@ -134,3 +136,76 @@ def test_a_torchtitan_initial_load_is_refused_naming_init_from(
     )
     code = run_trainer(tmp_path, "--config", str(config))
     assert_refused(tmp_path, capsys, code, "initial_load_path", "trainer.init_from")
+
+
+EXPERT = "model.layers.2.mlp.experts.4.down_proj.weight"
+
+
+def rewrite_expert(start: Path, change: Callable[[dict[str, torch.Tensor]], None]) -> str:
+    """Change the shard that holds :data:`EXPERT`, as ``change`` says; that shard's name."""
+    index = json.loads((start / "model.safetensors.index.json").read_text())
+    shard = start / index["weight_map"][EXPERT]
+    tensors = load_file(shard)
+    change(tensors)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    return shard.name
+
+
+MOE_CASES: dict[str, tuple[Callable[[Path], object], tuple[str, ...]]] = {
+    "expert-missing": (
+        lambda start: rewrite_expert(start, lambda t: t.pop(EXPERT)),
+        (EXPERT, "is missing"),
+    ),
+    "expert-wrong-shape": (
+        lambda start: rewrite_expert(start, lambda t: t.update({EXPERT: t[EXPERT].T.contiguous()})),
+        (EXPERT, "has shape [40, 48]; config.json implies [48, 40]"),
+    ),
+    "expert-wrong-dtype": (
+        lambda start: rewrite_expert(start, lambda t: t.update({EXPERT: t[EXPERT].int()})),
+        (EXPERT, "is I32"),
+    ),
+    "dense-layer-out-of-range": (
+        lambda start: edit_config(start, mlp_only_layers=[1, 3]),
+        ("config.json", "mlp_only_layers names layer 3; the model's layers are 0 to 2"),
+    ),
+    "sparse-layer-made-dense": (  # layers 0 and 2 would be dense: no dense MLP there
+        lambda start: edit_config(start, decoder_sparse_step=2),
+        ("model.layers.0.mlp.gate_proj.weight", "is missing"),
+    ),
+    "router-aux-loss": (
+        lambda start: edit_config(start, output_router_logits=True),
+        ("config.json", "output_router_logits is true"),
+    ),
+    "more-experts-per-token-than-experts": (
+        lambda start: edit_config(start, num_experts_per_tok=7),
+        ("config.json", "num_experts_per_tok 7 is more than num_experts 6"),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_sharded(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    start = tmp_path_factory.mktemp("hf") / "start"
+    return save_pretrained_qwen3(start, "moe-untied-odd", shard_kb=60)
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_a_bad_moe_start_is_one_line_naming_what_is_wrong(
+    case: str, moe_sharded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    start = shutil.copytree(moe_sharded, tmp_path / "start")
+    damage, names = MOE_CASES[case]
+    damage(start)
+    code = run_trainer(tmp_path, "--init-from", str(start))
+    assert_refused(tmp_path, capsys, code, *names)
+
+
+@pytest.mark.parametrize(
+    ("model", "differ"),
+    [("tiny-moe", "num_experts=8"), ("tiny", "moe_enabled=False")],
+)
+def test_a_model_that_contradicts_an_moe_config_json_names_both(
+    model: str, differ: str, moe_sharded: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = run_trainer(tmp_path, "--init-from", str(moe_sharded), "--model", model)
+    assert_refused(tmp_path, capsys, code, f"trainer.model {model!r}", differ)

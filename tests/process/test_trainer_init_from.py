@@ -2,7 +2,8 @@
 version is that checkpoint bit for bit, and a resumed run never reloads it.
 
 Every checkpoint here is written by ``transformers`` itself (:func:`save_pretrained_qwen3`):
-sharded and not, tied and untied, bf16, fp16 and fp32, in two shapes no flavor has.
+sharded and not, tied and untied, bf16, fp16 and fp32, dense and mixtures of experts (one
+tensor per expert), in shapes no flavor has.
 """
 
 from __future__ import annotations
@@ -58,8 +59,16 @@ def version_tensors(client: redis.Redis, keys: Keys, weights: Path, version: int
         ("tied-odd", torch.bfloat16, None),
         ("untied-odd", torch.float32, 150),
         ("tied-odd", torch.float16, 60),
+        ("moe-untied-odd", torch.float32, 100),
+        ("moe-tied-odd", torch.bfloat16, None),
     ],
-    ids=["tied-bf16-one-file", "untied-fp32-sharded", "tied-fp16-sharded"],
+    ids=[
+        "tied-bf16-one-file",
+        "untied-fp32-sharded",
+        "tied-fp16-sharded",
+        "moe-untied-fp32-sharded",
+        "moe-tied-bf16-one-file",
+    ],
 )
 def test_a_fresh_run_starts_from_the_checkpoint_and_publishes_it_first(
     cli_env: dict[str, str],
@@ -117,34 +126,59 @@ def test_a_fresh_run_starts_from_the_checkpoint_and_publishes_it_first(
     assert "started from a checkpoint" in log and "published the start" in log
 
 
+@pytest.mark.parametrize("shape", ["untied-odd", "moe-untied-odd"])
 def test_two_fsdp_ranks_start_from_the_checkpoint(
-    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path, shape: str
 ) -> None:
-    """Under FSDP each rank reads its own shards of the checkpoint; the step-0 snapshot the
-    two ranks write together is the checkpoint, bitwise."""
+    """Under FSDP each rank reads its own shards of the checkpoint (an MoE's experts: half
+    of them each); the step-0 snapshot the two ranks write together is the checkpoint,
+    bitwise, and the step-1 one holds the same tensors, trained."""
+    start = save_pretrained_qwen3(tmp_path / "start", shape, torch.bfloat16, 150)
+    push_batches(
+        cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES[shape]["vocab_size"]
+    )
+    result = run_torchrun_trainer(
+        cli_env, 2, "--init-from", str(start), "--steps", "1", "--lr", "1e-2"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first = snapshot_tensors(tmp_path / "checkpoints" / "step-0")
+    assert_bitwise_the_start(first, start)
+    trained = snapshot_tensors(tmp_path / "checkpoints" / "step-1")
+    assert {n: t.shape for n, t in trained.items()} == {n: t.shape for n, t in first.items()}
+    assert all(torch.isfinite(t.float()).all() for t in trained.values())
+    moved = [name for name in first if not torch.equal(trained[name], first[name])]
+    assert any(".mlp." in name for name in moved), "one step at lr 1e-2 left the MLPs alone"
+
+
+def test_experts_that_do_not_split_over_the_fsdp_ranks_are_refused(
+    cli_env: dict[str, str], tmp_path: Path
+) -> None:
+    """torchtitan's adapter names a rank's experts only when they split evenly: 5 experts
+    over 2 ranks are refused with one line, before any snapshot."""
+    start = save_pretrained_qwen3(tmp_path / "start", "moe-tied-odd", torch.bfloat16)
+    result = run_torchrun_trainer(cli_env, 2, "--init-from", str(start), "--steps", "1")
+    assert result.returncode != 0
+    assert "the model's 5 experts do not split evenly over 2 FSDP ranks" in result.stderr
+    assert not (tmp_path / "checkpoints" / "step-0").exists()
+
+
+def snapshot_tensors(snapshot: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a trainer snapshot, read as the publisher reads it."""
     from weightcast.contract.snapshot_format import read_complete
     from weightcast.publisher.dcp_load import load_tensors
     from weightcast.publisher.snapshot_scan import Snapshot
 
-    start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16, 150)
-    push_batches(
-        cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES["untied-odd"]["vocab_size"]
-    )
-    result = run_torchrun_trainer(cli_env, 2, "--init-from", str(start), "--steps", "1")
-    assert result.returncode == 0, result.stderr[-3000:]
-    snapshot = tmp_path / "checkpoints" / "step-0"
-    tensors = load_tensors(Snapshot(snapshot, read_complete(snapshot)))
-    assert_bitwise_the_start(tensors, start)
-    assert (tmp_path / "checkpoints" / "step-1").is_dir()
+    return load_tensors(Snapshot(snapshot, read_complete(snapshot)))
 
 
+@pytest.mark.parametrize("shape", ["tied-odd", "moe-tied-odd"])
 def test_a_resumed_run_never_reloads_its_start(
-    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path, shape: str
 ) -> None:
     """SIGKILL after a resume checkpoint, then a restart with the checkpoint directory
     overwritten by other weights: the final model is bitwise an uninterrupted run's from the
     first start (the restart resumed; had it loaded the start again, it could not be)."""
-    start = save_pretrained_qwen3(tmp_path / "start", "tied-odd", torch.bfloat16)
+    start = save_pretrained_qwen3(tmp_path / "start", shape, torch.bfloat16)
     every_two = config_file(tmp_path, "[trainer.checkpoint]\ninterval = 2\n")
     args = ("trainer", "--config", every_two, "--init-from", str(start), "--steps", "4")
 
@@ -170,7 +204,7 @@ def test_a_resumed_run_never_reloads_its_start(
         )
     finally:
         assert stop(trainer, signal.SIGKILL) == -signal.SIGKILL
-    save_pretrained_qwen3(start, "tied-odd", torch.bfloat16, seed=7)  # another start
+    save_pretrained_qwen3(start, shape, torch.bfloat16, seed=7)  # another start
     push_batches(url, keys, 1, vocab_size=1000, skip=3)  # the fourth of the same sequence
     restarted = run_weightcast(cli_env, *args, "--consumer", "c")
     assert restarted.returncode == 0, restarted.stderr[-3000:]

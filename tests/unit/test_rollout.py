@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
+import pytest
 import torch
 
 from weightcast.contract.codec import BatchLimits, validate_tensors
+from weightcast.contract.errors import WeightsError
 from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.local.rollout import (
     ModelPolicy,
@@ -18,7 +22,7 @@ from weightcast.local.rollout import (
 from weightcast.runtime.config import RolloutConfig
 from weightcast.trainer.loss import token_logprobs
 
-from helpers import hf_config, hf_state, shape_of
+from helpers import checkpoint_tensors, hf_config, hf_state, save_pretrained_qwen3, shape_of
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64)
 
@@ -77,3 +81,34 @@ def test_a_policy_built_from_published_fused_tensors_is_the_hf_model() -> None:
     ids = torch.randint(0, SHAPE.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(direct.model(ids).logits, rebuilt.model(ids).logits)
+
+
+def test_an_moe_policy_is_the_checkpoint_transformers_loads(tmp_path: Path) -> None:
+    """A Qwen3-MoE version (one tensor per expert, a dense layer among sparse ones) samples
+    from ``Qwen3MoeForCausalLM`` with exactly the checkpoint's weights, and its sampled
+    log-probabilities are the teacher-forced ones."""
+    from transformers import Qwen3MoeForCausalLM
+
+    start = save_pretrained_qwen3(tmp_path / "start", "moe-untied-odd", torch.float32)
+    config = json.loads((start / "config.json").read_text())
+    policy = ModelPolicy(2, config, checkpoint_tensors(start))
+    reference = Qwen3MoeForCausalLM.from_pretrained(start).eval()
+    prompts = torch.randint(0, 1003, (3, 4), generator=torch.Generator().manual_seed(1))
+    completions, logprobs = policy.sample(prompts, 5, torch.Generator().manual_seed(2))
+    sequence = torch.cat([prompts, completions], dim=1)
+    with torch.no_grad():
+        ours = policy.model(sequence).logits
+        assert torch.equal(ours, reference(sequence).logits)
+    assert torch.allclose(token_logprobs(ours, sequence)[:, 4:], logprobs, atol=1e-5)
+
+
+def test_a_version_that_does_not_fit_the_moe_is_refused(tmp_path: Path) -> None:
+    start = save_pretrained_qwen3(tmp_path / "start", "moe-untied-odd", torch.float32)
+    config = json.loads((start / "config.json").read_text())
+    tensors = checkpoint_tensors(start)
+    expert = "model.layers.2.mlp.experts.5.up_proj.weight"
+    with pytest.raises(WeightsError, match=r"^version 2 does not fit Qwen3MoeForCausalLM: "):
+        ModelPolicy(2, config, {n: t for n, t in tensors.items() if n != expert})
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"].T
+    with pytest.raises(WeightsError, match=r"^version 2 does not fit Qwen3MoeForCausalLM: "):
+        ModelPolicy(2, config, tensors)

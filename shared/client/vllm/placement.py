@@ -24,10 +24,19 @@ import torch
 
 from weightcast.client.vllm.staging import RankPart
 from weightcast.contract.errors import LayoutError
+from weightcast.contract.experts import (
+    FUSED_MOE,
+    W2,
+    W13,
+    fused_expert_name,
+    intermediate_of_rank,
+    local_experts,
+)
 from weightcast.contract.fusion import ModelShape, expected_shape, kv_head_of_rank
 from weightcast.contract.sharding import ShardKind, rank_slice
 
 _PACKED = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 _PACKED_INTO = {
     "q_proj": "qkv_proj",
     "k_proj": "qkv_proj",
@@ -38,7 +47,10 @@ _PACKED_INTO = {
 
 
 def packed_name(hf_name: str) -> str:
-    """The vLLM parameter an HF tensor loads into (``q_proj`` -> ``qkv_proj``...)."""
+    """The vLLM parameter an HF tensor loads into (``q_proj`` -> ``qkv_proj``..., an
+    expert's ``gate_proj`` -> the layer's ``FusedMoE`` ``w13_weight``)."""
+    if m := _EXPERT.match(hf_name):
+        return f"{m.group(1)}.{FUSED_MOE}.{W2 if m.group(2) == 'down' else W13}"
     return _PACKED.sub(lambda m: f".{_PACKED_INTO[m.group(1)]}.", hf_name)
 
 
@@ -58,6 +70,8 @@ def hf_tensors(
             columns = part.tensor.shape[1]
             whole = (part.tensor.shape[0], columns * tp)
             yield part.name, _placed(part.tensor, whole, 1, rank * columns)
+        elif kind == ShardKind.EXPERTS:
+            yield from _split_experts(part, shape, rank)
         else:
             whole = expected_shape(part.name, shape)
             if whole is None:
@@ -91,6 +105,33 @@ def _split_gate_up(
     whole = (shape.intermediate_size, *part.tensor.shape[1:])
     yield f"{prefix}.gate_proj.{suffix}", _placed(gate, whole, 0, rank * rows)
     yield f"{prefix}.up_proj.{suffix}", _placed(up, whole, 0, rank * rows)
+
+
+def _split_experts(
+    part: RankPart, shape: ModelShape, rank: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each local expert's HF tensors, placed where ``FusedMoE.weight_loader`` narrows to
+    (its rank's rows of gate and up, columns of down; whole experts under expert parallelism)."""
+    named = fused_expert_name(part.name)
+    if named is None:
+        raise LayoutError(f"{part.name}: not a FusedMoE parameter of a Qwen3-MoE")
+    prefix, _, which = named
+    ep, tp = part.shard.ep or 1, part.shard.tp or 1
+    start, stop = intermediate_of_rank(shape, ep, tp, rank)
+    size, h = shape.moe_intermediate_size, shape.hidden_size
+    experts = local_experts(shape, ep, rank)
+    if len(experts) != part.tensor.shape[0]:
+        raise LayoutError(
+            f"{part.name}: {part.tensor.shape[0]} experts, rank {rank} has {len(experts)}"
+        )
+    for block, expert in zip(part.tensor, experts, strict=True):
+        name = f"{prefix}.mlp.experts.{expert}"
+        if which == W13:
+            gate, up = block.split(stop - start)
+            yield f"{name}.gate_proj.weight", _placed(gate, (size, h), 0, start)
+            yield f"{name}.up_proj.weight", _placed(up, (size, h), 0, start)
+        else:
+            yield f"{name}.down_proj.weight", _placed(block, (h, size), 1, start)
 
 
 def _placed(part: torch.Tensor, whole: tuple[int, ...], dim: int, start: int) -> torch.Tensor:

@@ -59,9 +59,11 @@ def stage(
     tp: int,
     engine_shape: ModelShape,
     files: VersionReader | None = None,
+    ep: int = 1,
 ) -> StagedVersion:
-    """Read rank ``rank``'s part of ``version`` for an engine of ``engine_shape`` at ``tp``;
-    through ``files`` when given (a reader kept across updates, holding the rank's base).
+    """Read rank ``rank``'s part of ``version`` for an engine of ``engine_shape`` at ``tp``
+    (and expert parallelism ``ep``: 1, or ``tp`` with ``enable_expert_parallel``); through
+    ``files`` when given (a reader kept across updates, holding the rank's base).
 
     Raises :class:`WeightsError` (or :class:`VersionGone`) for a version this engine must not
     load: another model, fused for another tp, a file that fails its digest.
@@ -101,7 +103,7 @@ def stage(
                 try:
                     parts = [
                         RankPart(name, tensor, shards[name])
-                        for name, tensor in client.rank_tensors(info, rank, tp).items()
+                        for name, tensor in client.rank_tensors(info, rank, tp, ep).items()
                     ]
                 except LayoutError as exc:
                     raise WeightsError(f"version {version}: {exc}") from None
