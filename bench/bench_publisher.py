@@ -201,61 +201,64 @@ def cold_read(path: Path) -> float:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = os.fstat(fd).st_size
         start = time.perf_counter()
-        buffer = read_all(fd)
+        buffer = mmap.mmap(-1, size)
+        view, done = memoryview(buffer), 0
+        while done < size:
+            done += os.preadv(fd, [view[done:]], done)
         seconds = time.perf_counter() - start
+        view.release()
         buffer.close()
         return seconds
     finally:
         os.close(fd)
 
 
-def read_all(fd: int) -> mmap.mmap:
-    """The whole of the open file ``fd``, read into fresh anonymous memory."""
-    size = os.fstat(fd).st_size
-    buffer = mmap.mmap(-1, size)
-    with memoryview(buffer) as view:
-        done = 0
-        while done < size:
-            done += os.preadv(fd, [view[done:]], done)
-    return buffer
-
-
 def stage_seconds(path: Path, digest: str) -> dict[str, float]:
-    """Each per-byte stage of the writer alone, in one thread, on ``path`` (pages warm): the
-    copy from the page cache into memory, the block digests, the NaN scan of its float
-    tensors; then the writer's own read + digest + scan pipeline (its threads, no write)."""
+    """Each per-byte stage of the writer alone, in one thread, on ``path`` (pages warm), one
+    ring buffer at a time as the writer does: the copy from the page cache into the buffer,
+    the block digests, the NaN scan of its float tensors; then the writer's own read + digest
+    + scan pipeline (its threads, its ring, no write)."""
     from weightcast.contract.manifest import BLOCK_BYTES, new_hasher
     from weightcast.contract.tensorfile import NON_FINITE, read_header
-    from weightcast.publisher.safetensors_writer import _CHECK_BYTES, _non_finite, digest_file
+    from weightcast.publisher.safetensors_writer import (
+        _CHECK_BYTES,
+        BUFFER_BYTES,
+        _non_finite,
+        digest_file,
+    )
 
+    seconds = dict.fromkeys(("copy_s", "hash_s", "scan_s"), 0.0)
+    buffer, scratch = mmap.mmap(-1, BUFFER_BYTES), np.empty(_CHECK_BYTES, dtype=np.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:
-        spans = read_header(fd, str(path)).tensors
-        start = time.perf_counter()
-        buffer = read_all(fd)
-        copied = time.perf_counter()
+        spans = [s for s in read_header(fd, str(path)).tensors if s.dtype in NON_FINITE]
+        size = os.fstat(fd).st_size
+        for offset in range(0, size, BUFFER_BYTES):
+            t0 = time.perf_counter()
+            n = os.preadv(fd, [buffer], offset)
+            t1 = time.perf_counter()
+            with memoryview(buffer) as view:
+                for at in range(0, n, BLOCK_BYTES):
+                    hasher = new_hasher(digest)
+                    hasher.update(view[at : min(n, at + BLOCK_BYTES)])
+                    hasher.hexdigest()
+            t2 = time.perf_counter()
+            for span in spans:
+                lo, hi = max(span.start, offset), min(span.stop, offset + n)
+                if lo < hi:
+                    assert not _non_finite(buffer, lo - offset, hi - lo, span.dtype, scratch)
+            t3 = time.perf_counter()
+            seconds["copy_s"] += t1 - t0
+            seconds["hash_s"] += t2 - t1
+            seconds["scan_s"] += t3 - t2
     finally:
         os.close(fd)
-    with memoryview(buffer) as view:
-        for at in range(0, len(buffer), BLOCK_BYTES):
-            hasher = new_hasher(digest)
-            hasher.update(view[at : at + BLOCK_BYTES])
-            hasher.hexdigest()
-    hashed = time.perf_counter()
-    scratch = np.empty(_CHECK_BYTES, dtype=np.uint8)
-    for span in spans:
-        if span.dtype in NON_FINITE:
-            assert not _non_finite(buffer, span.start, span.nbytes, span.dtype, scratch)
-    scanned = time.perf_counter()
-    buffer.close()
+        buffer.close()
+    start = time.perf_counter()
     digest_file(path, spans, digest, path.name)
-    return {
-        "copy_s": copied - start,
-        "hash_s": hashed - copied,
-        "scan_s": scanned - hashed,
-        "pipeline_s": time.perf_counter() - scanned,
-    }
+    return seconds | {"pipeline_s": time.perf_counter() - start}
 
 
 def publisher_env(url: str, keys: Keys, checkpoints: Path, weights: Path) -> dict[str, str]:
