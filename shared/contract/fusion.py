@@ -136,7 +136,7 @@ _MOE_DEFAULTS: dict[str, Any] = {
 
 def _moe_fields(config: Mapping[str, Any], layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of a Qwen3-MoE ``config.json`` (none for a dense one),
-    read as the trainer's ``hf_start`` reads them (the same messages).
+    the one reading of them (the trainer's ``hf_start`` takes them from :class:`ModelShape`).
 
     Qwen's own configs name the expert count ``num_experts``; transformers 5 writes
     ``num_local_experts``. Either, or ``model_type`` ``qwen3_moe``, makes the config a MoE one;

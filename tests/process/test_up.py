@@ -17,6 +17,7 @@ import torch
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.manifest import Manifest, sha256_file, verify_files
+from weightcast.contract.sharding import ShardKind
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import TrainerConfig
 
@@ -301,3 +302,46 @@ def test_up_runs_the_loop_from_a_users_checkpoint(
     assert re.search(r"^  v1\s+0\s", result.stdout, re.MULTILINE), result.stdout  # the start
     config = json.loads((run_dir / "checkpoints" / "step-6" / "config.json").read_text())
     assert config["vocab_size"] == 1003 and config["head_dim"] == 32
+
+
+def test_up_runs_the_loop_on_a_tiny_mixture_of_experts(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """``up --model tiny-moe``: the trainer trains the MoE, the publisher writes vLLM's
+    ``FusedMoE`` layout, and the transformers rollout node unfuses every version into
+    ``Qwen3MoeForCausalLM`` (it refuses none) and loads the last one."""
+    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
+    result = run_weightcast(
+        env,
+        "up",
+        "--model",
+        "tiny-moe",
+        "--steps",
+        "6",
+        "--workdir",
+        str(tmp_path),
+        "--redis-url",
+        redis_server.url,
+        "--namespace",
+        keys.namespace,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    published = re.search(r"trained 6 steps; (\d+) versions published", out)
+    assert published, out
+    last = int(published[1])  # 3, fewer where a snapshot was skipped under load
+    assert f"the inference node loaded v{last}; 0 batches dead-lettered" in out, out
+    (run_dir,) = tmp_path.iterdir()
+    assert "refusing version" not in (run_dir / "logs" / "follower.log").read_text()
+    sampled = re.findall(r"^  v([1-9]\d*)\s+\d+\s+[\d.]+s\s+([1-9]\d*)\s", out, re.MULTILINE)
+    assert sampled, out  # rollouts from published versions, not only the uniform start
+    manifest = Manifest.read(run_dir / "weights" / f"v{last}")
+    verify_files(run_dir / "weights" / f"v{last}", manifest)
+    experts = [t for t in manifest.tensors if t.shard.kind == ShardKind.EXPERTS]
+    assert {t.name for t in experts} == {
+        f"model.layers.{layer}.mlp.experts.routed_experts.{w}"
+        for layer in range(2)
+        for w in ("w13_weight", "w2_weight")
+    }
+    assert (manifest.tp, manifest.ep) == (1, 1)
