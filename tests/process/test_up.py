@@ -51,6 +51,26 @@ UP_STEPS = 30
 PUBLISH_EVERY = 2  # up's default
 
 
+def run_up(
+    redis_server: RedisServer, keys: Keys, workdir: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``weightcast up ARGS`` on the test's Redis and namespace (so the registry can be read
+    back), its runs under ``workdir``."""
+    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
+    return run_weightcast(
+        env,
+        "up",
+        *args,
+        "--workdir",
+        str(workdir),
+        "--redis-url",
+        redis_server.url,
+        "--namespace",
+        keys.namespace,
+        timeout=600,
+    )
+
+
 def test_up_runs_an_rl_loop_whose_reward_rises(
     redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
@@ -63,20 +83,7 @@ def test_up_runs_an_rl_loop_whose_reward_rises(
     sign, stale weights, misaligned logprobs) leaves it flat. ``up`` runs on the test's Redis
     so that the registry can be read back (its private redis-server: the Ctrl-C test).
     """
-    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
-    result = run_weightcast(
-        env,
-        "up",
-        "--steps",
-        str(UP_STEPS),
-        "--workdir",
-        str(tmp_path),
-        "--redis-url",
-        redis_server.url,
-        "--namespace",
-        keys.namespace,
-        timeout=600,
-    )
+    result = run_up(redis_server, keys, tmp_path, "--steps", str(UP_STEPS))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert f"using {redis_server.url}, namespace {keys.namespace}" in out
@@ -166,7 +173,15 @@ def test_up_runs_an_rl_loop_whose_reward_rises(
     assert checkpoints == sorted(f"step-{step}" for step in written[-2:])
 
     # The operator's view agrees with what happened.
-    status = run_weightcast({**env, "WEIGHTCAST_NAMESPACE": keys.namespace}, "status", "--json")
+    status = run_weightcast(
+        {
+            **clean_env(),
+            "WEIGHTCAST_REDIS_URL": redis_server.url,
+            "WEIGHTCAST_NAMESPACE": keys.namespace,
+        },
+        "status",
+        "--json",
+    )
     assert status.returncode == 0, status.stderr
     view = json.loads(status.stdout)
     assert view["latest"] == count
@@ -278,21 +293,8 @@ def test_up_runs_the_loop_from_a_users_checkpoint(
     ``save_pretrained`` directory, v1 is that directory (step 0) and the node samples from it
     and every version after; the summary has the mismatch column."""
     start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16)
-    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
-    result = run_weightcast(
-        env,
-        "up",
-        "--init-from",
-        str(start),
-        "--steps",
-        "6",
-        "--workdir",
-        str(tmp_path / "runs"),
-        "--redis-url",
-        redis_server.url,
-        "--namespace",
-        keys.namespace,
-        timeout=600,
+    result = run_up(
+        redis_server, keys, tmp_path / "runs", "--init-from", str(start), "--steps", "6"
     )
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
@@ -310,22 +312,7 @@ def test_up_runs_the_loop_on_a_tiny_mixture_of_experts(
     """``up --model tiny-moe``: the trainer trains the MoE, the publisher writes vLLM's
     ``FusedMoE`` layout, and the transformers rollout node unfuses every version into
     ``Qwen3MoeForCausalLM`` (it refuses none) and loads the last one."""
-    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
-    result = run_weightcast(
-        env,
-        "up",
-        "--model",
-        "tiny-moe",
-        "--steps",
-        "6",
-        "--workdir",
-        str(tmp_path),
-        "--redis-url",
-        redis_server.url,
-        "--namespace",
-        keys.namespace,
-        timeout=600,
-    )
+    result = run_up(redis_server, keys, tmp_path, "--model", "tiny-moe", "--steps", "6")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     published = re.search(r"trained 6 steps; (\d+) versions published", out)
