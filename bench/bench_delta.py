@@ -139,18 +139,23 @@ def train_once(redis_url: str, workdir: Path, lr: float, args: argparse.Namespac
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def nudge(values: torch.Tensor, fraction: float) -> None:
+    """Move ``fraction`` of the bf16 values ``values`` (their bits as a flat int16 tensor)
+    to a neighbouring bf16 value, in place: what a small optimizer step does to a bf16 copy.
+    Nudging twice restores the values (the same positions flip back)."""
+    every = max(1, round(1 / fraction))
+    values[::every] ^= 1  # the lowest mantissa bit: a neighbouring bf16 value
+
+
 def changed_copy(source: Path, target: Path, fraction: float) -> Snapshot:
     """``source``'s snapshot with ``fraction`` of its bf16 values moved by one ulp."""
     shutil.copytree(source, target)
     info = SnapshotInfo.read(target)
-    every = max(1, round(1 / fraction))
     for entry in info.files:
         path = target / entry.name
         data = bytearray(path.read_bytes())
         header = 8 + int.from_bytes(data[:8], "little")
-        body = memoryview(data)[header:]
-        values = torch.frombuffer(body, dtype=torch.int16)
-        values[::every] ^= 1  # the lowest mantissa bit: a neighbouring bf16 value
+        nudge(torch.frombuffer(memoryview(data)[header:], dtype=torch.int16), fraction)
         path.write_bytes(data)
     return Snapshot(target, info)
 

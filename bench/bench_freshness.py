@@ -14,6 +14,14 @@ random bf16 Qwen3-shaped model (copy to host buffers, background DCP write in
 rename), ``publish`` (rename -> registered: the registry's ``created_at``), ``node``
 (registered -> the last rank loaded).
 
+Two modes per tp, one after the other, each with its own publisher and node: ``full`` (the
+publisher run with ``--no-delta``, workers that keep no base: every version read whole) and
+``delta`` (the publisher writing deltas, each worker keeping its rank's base in a
+``VersionReader(keep_base=True)`` across versions, as the vLLM backend does, so it rebuilds
+the next version from the delta). Before each snapshot ``--changed`` of the model's bf16
+values move to a neighbouring value (``bench_delta.nudge``: what a small optimizer step does),
+in both modes. Each round prints how the ranks got the version (``via``) and what they read.
+
 The floor, measured in the same round just before: one raw write of the model's bytes from
 memory (one file, fsync) and one raw read of them, cold (``posix_fadvise(DONTNEED)`` after
 the fsync), into fresh memory. A version goes through the disk twice more than the floor
@@ -27,6 +35,7 @@ up. The first round of each tp (imports, first allocation of the staging buffers
 warm-up and is not counted. Medians over the rounds, the spread of the per-round ratios.
 
     .venv/bin/python bench/bench_freshness.py                           # 0.6B, tp 1 2 4 8
+    .venv/bin/python bench/bench_freshness.py --modes delta --changed 0.05
     .venv/bin/python bench/bench_freshness.py --shape 0.6B --tp 1 8 --device cuda
 """
 
@@ -55,6 +64,7 @@ from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_delta import nudge
 from bench_publisher import (
     REPO,
     SHAPES,
@@ -65,11 +75,13 @@ from bench_publisher import (
     settle,
 )
 
+MODES = ("full", "delta")
 STAGES = ("snapshot", "publish", "node", "total", "floor_write", "floor_read", "floor")
 
 
 def worker(args: argparse.Namespace) -> None:
     """One vLLM-like worker: rank ``args.rank`` of a tp ``args.node_tp`` node."""
+    from weightcast.client.reader import VersionReader
     from weightcast.client.vllm.protocol import Source
     from weightcast.client.vllm.staging import stage
     from weightcast.client.weights import WeightsClient
@@ -86,13 +98,15 @@ def worker(args: argparse.Namespace) -> None:
     client = WeightsClient(
         args.redis_url, args.weights_dir, namespace=args.namespace, node_id=reporter
     )
+    # A delta node keeps its rank's base across versions, as the vLLM backend's reader does.
+    files = VersionReader(args.weights_dir, args.verified_dir, True) if args.keep_base else None
     version = 0
     while (newer := client.wait_for_newer(version, timeout=3600)) is not None:
-        staged = stage(source, newer, args.rank, tp, shape)
+        staged = stage(source, newer, args.rank, tp, shape, files)
         on_device = [p.tensor.to(args.device, non_blocking=True) for p in staged.parts]
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
-        client.report_loaded(newer)
+        client.report_loaded(newer, via=staged.via, read_bytes=staged.read_bytes)
         del staged, on_device
         version = newer
 
@@ -128,11 +142,12 @@ def raw_write(model: Weights, path: Path) -> float:
     return time.perf_counter() - start
 
 
-def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> dict:
+def bench_tp(tp: int, mode: str, model: Weights, args: argparse.Namespace, root: Path) -> dict:
+    """``args.rounds`` rounds (after a warm-up) of one tp-``tp`` pipeline in ``mode``."""
     import weightcast.trainer.snapshot_writer as snapshot_module
     from weightcast.trainer.snapshot_writer import SnapshotWriter
 
-    work = root / f"tp{tp}"
+    work = root / f"tp{tp}-{mode}"
     checkpoints, weights, record = work / "checkpoints", work / "weights", work / "verified"
     for directory in (checkpoints, weights, record):
         directory.mkdir(parents=True)
@@ -153,6 +168,7 @@ def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> d
         client = redis.Redis.from_url(server.url)
         env = publisher_env(server.url, keys, checkpoints, weights)
         daemon = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(tp), "--keep", "1"]
+        daemon.append("--delta" if mode == "delta" else "--no-delta")
         processes.append(subprocess.Popen(daemon, env=env, cwd=REPO, stdout=log, stderr=log))
         for rank in range(tp):
             command = [sys.executable, __file__, "--worker", "--rank", str(rank)]
@@ -160,6 +176,7 @@ def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> d
             command += ["--redis-url", server.url, "--namespace", keys.namespace]
             command += ["--weights-dir", str(weights), "--verified-dir", str(record)]
             command += ["--shape", args.shape, "--device", args.device]
+            command += ["--keep-base"] if mode == "delta" else []
             processes.append(subprocess.Popen(command, cwd=REPO, stdout=log, stderr=log))
 
         def alive() -> None:
@@ -175,6 +192,8 @@ def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> d
                 floor_file.unlink()
                 settle()
                 previous = int(client.get(keys.latest) or 0)
+                for tensor in model.hf.values():
+                    nudge(tensor.view(torch.int16).view(-1), args.changed)
                 start = time.time()
                 writer.start(model, step)
                 while int(client.get(keys.latest) or 0) <= previous:
@@ -185,12 +204,13 @@ def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> d
                 registered = float(client.hget(keys.version(version), "created_at"))
                 while True:
                     reports = [json.loads(v) for v in client.hvals(keys.nodes)]
-                    done = [r["at"] for r in reports if r["version"] >= version]
+                    done = [r for r in reports if r["version"] >= version]
                     if len(done) == tp:
                         break
                     alive()
                     time.sleep(0.005)
-                loaded = max(done)
+                loaded = max(r["at"] for r in done)
+                via = sorted({r.get("via", "?") for r in done})
                 row = {
                     "snapshot": renamed[-1] - start,
                     "publish": registered - renamed[-1],
@@ -199,14 +219,16 @@ def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> d
                     "floor_write": floor_write,
                     "floor_read": floor_read,
                     "floor": floor_write + floor_read,
+                    "read_mb": sum(r.get("read_bytes", 0) for r in done) / 1e6,
                     "load": os.getloadavg()[0],
                 }
                 if step > 1:
                     rows.append(row)
                 shutil.rmtree(checkpoints / f"step-{step - 1}", ignore_errors=True)
                 print(
-                    f"tp {tp} round {step - 1}{' (warm-up)' if step == 1 else ''}: "
-                    + ", ".join(f"{k} {v:.2f}" for k, v in row.items()),
+                    f"tp {tp} {mode} round {step - 1}{' (warm-up)' if step == 1 else ''}: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in row.items())
+                    + f", via {'+'.join(via)}",
                     flush=True,
                 )
         finally:
@@ -220,6 +242,8 @@ def bench_tp(tp: int, model: Weights, args: argparse.Namespace, root: Path) -> d
     ratios = [r["total"] / r["floor"] for r in rows]
     return {
         "tp": tp,
+        "mode": mode,
+        "read_mb": statistics.median(r["read_mb"] for r in rows),
         **{stage: statistics.median(r[stage] for r in rows) for stage in STAGES},
         "ratio": statistics.median(ratios),
         "ratio_min": min(ratios),
@@ -233,6 +257,8 @@ def main() -> None:
     parser.add_argument("--shape", default="0.6B", choices=SHAPES)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--changed", type=float, default=0.01, help="share of values changed")
     parser.add_argument("--device", default="cpu", help="where the nodes put the weights")
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: /tmp)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -243,6 +269,7 @@ def main() -> None:
     parser.add_argument("--namespace", help=argparse.SUPPRESS)
     parser.add_argument("--weights-dir", help=argparse.SUPPRESS)
     parser.add_argument("--verified-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--keep-base", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -252,23 +279,29 @@ def main() -> None:
     model = random_model(args.shape)
     nbytes = sum(t.nbytes for t in model.hf.values())
     machine = f"{platform.node()}, {os.cpu_count()} CPUs"
-    print(f"{machine}; {args.shape} ({nbytes / 1e9:.2f} GB), nodes on {args.device}", flush=True)
+    print(
+        f"{machine}; {args.shape} ({nbytes / 1e9:.2f} GB), nodes on {args.device}, "
+        f"{args.changed:.1%} of values changed per version",
+        flush=True,
+    )
     results = []
     try:
         for tp in args.tp:
-            results.append(bench_tp(tp, model, args, root))
+            for mode in args.modes:
+                results.append(bench_tp(tp, mode, model, args, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(
-        f"\n{'tp':>3} {'snapshot':>8} {'publish':>8} {'node':>6} {'total':>6} "
-        f"{'write':>6} {'read':>6} {'floor':>6} {'total/floor':>17} {'load':>9}"
+        f"\n{'tp':>3} {'mode':>5} {'read MB':>7} {'snapshot':>8} {'publish':>8} {'node':>6} "
+        f"{'total':>6} {'write':>6} {'read':>6} {'floor':>6} {'total/floor':>17} {'load':>9}"
     )
     for r in results:
         print(
-            f"{r['tp']:>3} {r['snapshot']:>8.2f} {r['publish']:>8.2f} {r['node']:>6.2f} "
-            f"{r['total']:>6.2f} {r['floor_write']:>6.2f} {r['floor_read']:>6.2f} "
-            f"{r['floor']:>6.2f} {r['ratio']:>6.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
-            f" {r['load'][0]:>4.1f}-{r['load'][1]:.1f}"
+            f"{r['tp']:>3} {r['mode']:>5} {r['read_mb']:>7.0f} {r['snapshot']:>8.2f} "
+            f"{r['publish']:>8.2f} {r['node']:>6.2f} {r['total']:>6.2f} "
+            f"{r['floor_write']:>6.2f} {r['floor_read']:>6.2f} {r['floor']:>6.2f} "
+            f"{r['ratio']:>6.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
+            f"{r['load'][0]:>4.1f}-{r['load'][1]:.1f}"
         )
     if args.json:
         report = {
@@ -277,6 +310,7 @@ def main() -> None:
             "bytes": nbytes,
             "device": args.device,
             "rounds": args.rounds,
+            "changed": args.changed,
             "results": results,
         }
         args.json.write_text(json.dumps(report, indent=1))
