@@ -53,16 +53,6 @@ START_DTYPES = ("BF16", "F16", "F32")
 HF_DEFAULTS = {"rms_norm_eps": 1e-6, "rope_theta": 10_000.0}
 MAX_POSITIONS = 32_768
 """What ``transformers``' ``Qwen3Config`` assumes when ``config.json`` leaves a field out."""
-MOE_DEFAULTS: dict[str, Any] = {
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": False,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "output_router_logits": False,
-}
-"""What ``Qwen3MoeConfig`` assumes when ``config.json`` leaves a field out."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +99,9 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
                 f"{where}: {name} is {config[name]!r}; torchtitan's Qwen3 supports only {allowed!r}"
             )
     try:
-        shape = ModelShape.from_hf_config(config)  # the layout's fields, checked once
+        # the layout's fields, checked once; the architecture makes it a MoE when the config
+        # names no model_type (ModelShape then gives its fields Qwen3MoeConfig's defaults)
+        shape = ModelShape.from_hf_config({"model_type": model_type, **config})
     except LayoutError as exc:
         raise ConfigError(f"{where}: {str(exc).removeprefix('config.json: ')}") from None
     if shape.num_heads % shape.num_kv_heads:
@@ -119,7 +111,7 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
         )
     moe = model_type == "qwen3_moe"
     return (Qwen3MoeModelArgs if moe else Qwen3ModelArgs)(
-        **(_moe_fields(config, where, shape.num_layers) if moe else {}),
+        **(_moe_fields(config, where, shape) if moe else {}),
         vocab_size=shape.vocab_size,
         dim=shape.hidden_size,
         n_layers=shape.num_layers,
@@ -136,60 +128,31 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
     )
 
 
-def _moe_fields(config: Mapping[str, Any], where: str, layers: int) -> dict[str, Any]:
-    """torchtitan's MoE args of a Qwen3-MoE ``config.json``, its router as
+def _moe_fields(config: Mapping[str, Any], where: str, shape: ModelShape) -> dict[str, Any]:
+    """torchtitan's MoE args of a Qwen3-MoE ``config.json`` whose MoE fields ``shape`` holds
+    (:meth:`ModelShape.from_hf_config` reads and checks them), its router as
     :func:`~weightcast.trainer.model.qwen3_moe_router` sets it.
 
-    ``num_experts`` is also read as ``num_local_experts``, the name transformers 5 writes.
-    The layers ``mlp_only_layers`` lists, and those ``decoder_sparse_step`` skips, are dense
-    (torchtitan's dense block, of ``intermediate_size``). ``output_router_logits`` is
-    refused: torchtitan does not compute HF's auxiliary loss (``router_aux_loss_coef`` only
-    weighs that loss, so it is unused without it).
+    The layers that are not sparse (``mlp_only_layers``, those ``decoder_sparse_step``
+    skips) are dense (torchtitan's dense block, of ``intermediate_size``).
+    ``output_router_logits`` is refused: torchtitan does not compute HF's auxiliary loss
+    (``router_aux_loss_coef`` only weighs that loss, so it is unused without it).
     """
-    fields = {name: config.get(name, default) for name, default in MOE_DEFAULTS.items()}
-    if "num_local_experts" in config:  # transformers 5 writes num_experts under this name
-        local = config["num_local_experts"]
-        if "num_experts" in config and local != config["num_experts"]:
-            raise ConfigError(
-                f"{where}: num_local_experts {local!r} and num_experts "
-                f"{config['num_experts']!r} differ"
-            )
-        fields["num_experts"] = local
-    for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-        value = fields[name]
-        if type(value) is not int or value < 1:
-            raise ConfigError(f"{where}: {name} is {value!r}, not a positive integer")
-    for name in ("norm_topk_prob", "output_router_logits"):
-        if type(fields[name]) is not bool:
-            raise ConfigError(f"{where}: {name} is {fields[name]!r}, not true or false")
-    experts, top_k = fields["num_experts"], fields["num_experts_per_tok"]
-    if top_k > experts:
-        raise ConfigError(
-            f"{where}: num_experts_per_tok {top_k} is more than num_experts {experts}"
-        )
-    step, listed = fields["decoder_sparse_step"], fields["mlp_only_layers"]
-    if type(step) is not int or step < 1:
-        raise ConfigError(f"{where}: decoder_sparse_step is {step!r}, not a positive integer")
-    if not isinstance(listed, list) or not all(type(i) is int for i in listed):
-        raise ConfigError(f"{where}: mlp_only_layers is {listed!r}, not a list of layer indices")
-    outside = [i for i in listed if not 0 <= i < layers]
-    if outside:
-        raise ConfigError(
-            f"{where}: mlp_only_layers names layer {outside[0]}; the model's layers are "
-            f"0 to {layers - 1}"
-        )
-    if fields["output_router_logits"]:
+    router_logits = config.get("output_router_logits", False)
+    if type(router_logits) is not bool:
+        raise ConfigError(f"{where}: output_router_logits is {router_logits!r}, not true or false")
+    if router_logits:
         raise ConfigError(
             f"{where}: output_router_logits is true: torchtitan 0.2.0's Qwen3 MoE trains "
             "without HF's router auxiliary loss (only false is supported)"
         )
-    # transformers' Qwen3MoeDecoderLayer: sparse unless listed or off the step
-    dense = tuple(i for i in range(layers) if i in listed or (i + 1) % step)
     return {
         "moe_enabled": True,
-        "moe_inter_dim": fields["moe_intermediate_size"],
-        "moe_args": qwen3_moe_router(experts, top_k, fields["norm_topk_prob"]),
-        "dense_layers": dense,
+        "moe_inter_dim": shape.moe_intermediate_size,
+        "moe_args": qwen3_moe_router(
+            shape.num_experts, shape.num_experts_per_tok, shape.norm_topk_prob
+        ),
+        "dense_layers": tuple(i for i in range(shape.num_layers) if not shape.sparse(i)),
     }
 
 

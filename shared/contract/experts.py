@@ -28,10 +28,22 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ColumnRange, ModelShape, Region, RowRange, expect_rows
+from weightcast.contract.fusion import (
+    ColumnRange,
+    ModelShape,
+    Region,
+    RowRange,
+    expect_rows,
+    join_pieces,
+    take_pieces,
+)
 from weightcast.contract.sharding import Shard
+
+if TYPE_CHECKING:  # torch only for unfuse_experts; the publish path runs without it
+    import torch
 
 W13 = "w13_weight"
 W2 = "w2_weight"
@@ -135,3 +147,56 @@ def plan_experts(
             ExpertTensor(f"{prefix}.{FUSED_MOE}.{W2}", (rows, h, local), tuple(w2), shard),
         ]
     return planned
+
+
+def source_rows_of(shape: ModelShape) -> dict[str, int]:
+    """Every HF expert tensor of ``shape``'s sparse layers, with its size along dim 0."""
+    h, size = shape.hidden_size, shape.moe_intermediate_size
+    return {
+        f"model.layers.{layer}.mlp.experts.{expert}.{proj}_proj.weight": rows
+        for layer in range(shape.num_layers)
+        if shape.sparse(layer)
+        for expert in range(shape.num_experts)
+        for proj, rows in (("gate", size), ("up", size), ("down", h))
+    }
+
+
+def placement_of(rows: int, shape: ModelShape, tp: int) -> int:
+    """The ``ep`` of a published ``w13_weight`` / ``w2_weight`` with ``rows`` experts' rows
+    (``tp * E`` with ep 1, ``E`` with ep ``tp``). Raises :class:`LayoutError`."""
+    if rows == tp * shape.num_experts:
+        return 1
+    if rows == shape.num_experts:
+        return tp
+    raise LayoutError(
+        f"a FusedMoE parameter with {rows} experts' rows fits no placement of "
+        f"{shape.num_experts} experts over tp={tp}"
+    )
+
+
+def unfuse_experts(
+    tensors: Mapping[str, torch.Tensor], shape: ModelShape, tp: int
+) -> dict[str, torch.Tensor]:
+    """Invert :func:`plan_experts`: the HF ``mlp.experts.E.{gate,up,down}_proj.weight`` behind
+    published ``w13_weight`` / ``w2_weight`` (``tensors``: those, and only those). The
+    placement is read from their rows (:func:`placement_of`). Raises :class:`LayoutError`
+    for a missing, extra or misshapen one."""
+    if not tensors:
+        return {}
+    ep = placement_of(tensors[min(tensors)].shape[0], shape, tp)
+    planned = plan_experts(source_rows_of(shape), shape, tp, ep)
+    if extra := sorted(set(tensors) - {p.name for p in planned}):
+        raise LayoutError(f"{extra[0]} is no FusedMoE parameter of this config's sparse layers")
+    sources: dict[str, dict[int, torch.Tensor]] = {}
+    dims: dict[str, int] = {}
+    for plan in planned:
+        data = tensors.get(plan.name)
+        if data is None:
+            raise LayoutError(f"{plan.name} is missing")
+        if tuple(data.shape) != plan.shape:
+            raise LayoutError(
+                f"{plan.name} has shape {tuple(data.shape)}; tp={tp}, ep={ep} implies {plan.shape}"
+            )
+        # [experts, a, b] -> [experts * a, b]: the pieces, one after another along dim 0
+        take_pieces(data.reshape(-1, plan.shape[2]), plan.pieces, sources, dims)
+    return join_pieces(sources, dims)

@@ -136,7 +136,7 @@ _MOE_DEFAULTS: dict[str, Any] = {
 
 def _moe_fields(config: Mapping[str, Any], layers: int) -> dict[str, Any]:
     """The mixture-of-experts fields of a Qwen3-MoE ``config.json`` (none for a dense one),
-    read as the trainer's ``hf_start`` reads them (the same messages).
+    the one reading of them (the trainer's ``hf_start`` takes them from :class:`ModelShape`).
 
     Qwen's own configs name the expert count ``num_experts``; transformers 5 writes
     ``num_local_experts``. Either, or ``model_type`` ``qwen3_moe``, makes the config a MoE one;
@@ -454,12 +454,18 @@ def unfuse(
     Replicated kv heads appear once per replica; the copies must agree. A tied ``lm_head``
     stays absent, as in HF checkpoints. A row-parallel tensor of a format 1 or 2 version
     (stored as the HF tensor: ``[rows, columns]``, where format 3 has ``[tp * rows, c]``) is
-    taken as it is.
+    taken as it is. A mixture of experts' ``FusedMoE`` parameters give back each expert's
+    ``gate_proj`` / ``up_proj`` / ``down_proj``
+    (:func:`~weightcast.contract.experts.unfuse_experts`).
     """
-    import torch
+    # experts.py builds on this module, so it is imported here, not at the top
+    from weightcast.contract.experts import fused_expert_name, unfuse_experts
 
+    experts = {n: t for n, t in tensors.items() if fused_expert_name(n) is not None}
     source_rows: dict[str, int] = {}
     for name, tensor in tensors.items():
+        if name in experts:
+            continue
         if m := _FUSED_QKV.match(name):
             prefix, kind = m.groups()
             source_rows |= {
@@ -487,15 +493,38 @@ def unfuse(
             continue
         if data.shape[0] != plan.rows:
             raise LayoutError(f"{plan.name} has {data.shape[0]} rows; tp={tp} implies {plan.rows}")
-        offset = 0
-        for piece in plan.pieces:
-            block = data[offset : offset + piece.rows]
-            offset += piece.rows
-            dims[piece.source] = 1 if isinstance(piece, ColumnRange) else 0
-            seen = sources.setdefault(piece.source, {})
-            if piece.start in seen and not torch.equal(seen[piece.start], block):
-                raise LayoutError(f"replicas of {piece.source} rows {piece.start}.. disagree")
-            seen[piece.start] = block
+        take_pieces(data, plan.pieces, sources, dims)
+    return join_pieces(sources, dims) | unfuse_experts(experts, shape, tp)
+
+
+def take_pieces(
+    data: torch.Tensor,
+    pieces: Sequence[Region],
+    sources: dict[str, dict[int, torch.Tensor]],
+    dims: dict[str, int],
+) -> None:
+    """Cut ``data`` (2-D: the concatenation of ``pieces`` along dim 0) back into its pieces,
+    into ``sources[source][start]``; ``dims[source]`` is the dim :func:`join_pieces` joins
+    them along. Raises :class:`LayoutError` where two replicas of one piece disagree."""
+    import torch
+
+    offset = 0
+    for piece in pieces:
+        block = data[offset : offset + piece.rows]
+        offset += piece.rows
+        dims[piece.source] = 1 if isinstance(piece, ColumnRange) else 0
+        seen = sources.setdefault(piece.source, {})
+        if piece.start in seen and not torch.equal(seen[piece.start], block):
+            raise LayoutError(f"replicas of {piece.source} rows {piece.start}.. disagree")
+        seen[piece.start] = block
+
+
+def join_pieces(
+    sources: Mapping[str, Mapping[int, torch.Tensor]], dims: Mapping[str, int]
+) -> dict[str, torch.Tensor]:
+    """Each source tensor from the pieces :func:`take_pieces` cut, in order of their start."""
+    import torch
+
     return {
         name: torch.cat([block for _, block in sorted(blocks.items())], dim=dims.get(name, 0))
         for name, blocks in sources.items()

@@ -68,7 +68,7 @@ class UniformPolicy:
 
 class ModelPolicy:
     """A published version in transformers' ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM``
-    when its ``config.json`` names that), sampled with a KV cache."""
+    when its ``config.json`` has a mixture of experts' fields), sampled with a KV cache."""
 
     def __init__(self, version: int, config: Mapping[str, Any], hf_tensors: dict[str, Any]):
         try:
@@ -86,7 +86,9 @@ class ModelPolicy:
 
         self.version = version
         self.vocab_size = int(config["vocab_size"])
-        moe = config.get("architectures") == ["Qwen3MoeForCausalLM"]
+        # the model's fields, not its architectures: a fused version's config.json names
+        # weightcast's marker architecture
+        moe = ModelShape.from_hf_config(config).moe
         config_cls, model_cls = (
             (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
         )

@@ -243,9 +243,12 @@ class Stack:
 
 def trainer_env(config: Config) -> dict[str, str]:
     """What ``up``'s own settings make of its processes' settings: ``up.lr`` for the trainer
-    unless the user set ``trainer.lr`` (in the file or env); with ``--init-from``, the start
-    for the trainer and its vocabulary for the rollout node's uniform version 0."""
+    unless the user set ``trainer.lr`` (in the file or env); a ``--model`` given, for the
+    trainer; with ``--init-from``, the start for the trainer and its vocabulary for the
+    rollout node's uniform version 0."""
     env = {} if "trainer.lr" in config.sources else {env_var("trainer.lr"): repr(config.up.lr)}
+    if "trainer.model" in config.sources:
+        env[env_var("trainer.model")] = config.trainer.model
     start = config.trainer.init_from
     if start:
         path = Path(start).absolute()

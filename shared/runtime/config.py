@@ -153,6 +153,7 @@ class TrainerConfig:
         "gives the shape, and a model given too must agree with it",
         flag="--model",
         choices=MODELS + MOE_MODELS,
+        commands=("trainer", "up"),
     )
     init_from: str = setting(
         "",

@@ -17,6 +17,7 @@ import torch
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.manifest import Manifest, sha256_file, verify_files
+from weightcast.contract.sharding import ShardKind
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import TrainerConfig
 
@@ -50,6 +51,26 @@ UP_STEPS = 30
 PUBLISH_EVERY = 2  # up's default
 
 
+def run_up(
+    redis_server: RedisServer, keys: Keys, workdir: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """``weightcast up ARGS`` on the test's Redis and namespace (so the registry can be read
+    back), its runs under ``workdir``."""
+    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
+    return run_weightcast(
+        env,
+        "up",
+        *args,
+        "--workdir",
+        str(workdir),
+        "--redis-url",
+        redis_server.url,
+        "--namespace",
+        keys.namespace,
+        timeout=600,
+    )
+
+
 def test_up_runs_an_rl_loop_whose_reward_rises(
     redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
@@ -62,20 +83,7 @@ def test_up_runs_an_rl_loop_whose_reward_rises(
     sign, stale weights, misaligned logprobs) leaves it flat. ``up`` runs on the test's Redis
     so that the registry can be read back (its private redis-server: the Ctrl-C test).
     """
-    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
-    result = run_weightcast(
-        env,
-        "up",
-        "--steps",
-        str(UP_STEPS),
-        "--workdir",
-        str(tmp_path),
-        "--redis-url",
-        redis_server.url,
-        "--namespace",
-        keys.namespace,
-        timeout=600,
-    )
+    result = run_up(redis_server, keys, tmp_path, "--steps", str(UP_STEPS))
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert f"using {redis_server.url}, namespace {keys.namespace}" in out
@@ -165,7 +173,15 @@ def test_up_runs_an_rl_loop_whose_reward_rises(
     assert checkpoints == sorted(f"step-{step}" for step in written[-2:])
 
     # The operator's view agrees with what happened.
-    status = run_weightcast({**env, "WEIGHTCAST_NAMESPACE": keys.namespace}, "status", "--json")
+    status = run_weightcast(
+        {
+            **clean_env(),
+            "WEIGHTCAST_REDIS_URL": redis_server.url,
+            "WEIGHTCAST_NAMESPACE": keys.namespace,
+        },
+        "status",
+        "--json",
+    )
     assert status.returncode == 0, status.stderr
     view = json.loads(status.stdout)
     assert view["latest"] == count
@@ -277,21 +293,8 @@ def test_up_runs_the_loop_from_a_users_checkpoint(
     ``save_pretrained`` directory, v1 is that directory (step 0) and the node samples from it
     and every version after; the summary has the mismatch column."""
     start = save_pretrained_qwen3(tmp_path / "start", "untied-odd", torch.bfloat16)
-    env = {**clean_env(), "WEIGHTCAST_REDIS_URL": redis_server.url}
-    result = run_weightcast(
-        env,
-        "up",
-        "--init-from",
-        str(start),
-        "--steps",
-        "6",
-        "--workdir",
-        str(tmp_path / "runs"),
-        "--redis-url",
-        redis_server.url,
-        "--namespace",
-        keys.namespace,
-        timeout=600,
+    result = run_up(
+        redis_server, keys, tmp_path / "runs", "--init-from", str(start), "--steps", "6"
     )
     assert result.returncode == 0, result.stdout + result.stderr
     (run_dir,) = (tmp_path / "runs").iterdir()
@@ -301,3 +304,31 @@ def test_up_runs_the_loop_from_a_users_checkpoint(
     assert re.search(r"^  v1\s+0\s", result.stdout, re.MULTILINE), result.stdout  # the start
     config = json.loads((run_dir / "checkpoints" / "step-6" / "config.json").read_text())
     assert config["vocab_size"] == 1003 and config["head_dim"] == 32
+
+
+def test_up_runs_the_loop_on_a_tiny_mixture_of_experts(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """``up --model tiny-moe``: the trainer trains the MoE, the publisher writes vLLM's
+    ``FusedMoE`` layout, and the transformers rollout node unfuses every version into
+    ``Qwen3MoeForCausalLM`` (it refuses none) and loads the last one."""
+    result = run_up(redis_server, keys, tmp_path, "--model", "tiny-moe", "--steps", "6")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    published = re.search(r"trained 6 steps; (\d+) versions published", out)
+    assert published, out
+    last = int(published[1])  # 3, fewer where a snapshot was skipped under load
+    assert f"the inference node loaded v{last}; 0 batches dead-lettered" in out, out
+    (run_dir,) = tmp_path.iterdir()
+    assert "refusing version" not in (run_dir / "logs" / "follower.log").read_text()
+    sampled = re.findall(r"^  v([1-9]\d*)\s+\d+\s+[\d.]+s\s+([1-9]\d*)\s", out, re.MULTILINE)
+    assert sampled, out  # rollouts from published versions, not only the uniform start
+    manifest = Manifest.read(run_dir / "weights" / f"v{last}")
+    verify_files(run_dir / "weights" / f"v{last}", manifest)
+    experts = [t for t in manifest.tensors if t.shard.kind == ShardKind.EXPERTS]
+    assert {t.name for t in experts} == {
+        f"model.layers.{layer}.mlp.experts.routed_experts.{w}"
+        for layer in range(2)
+        for w in ("w13_weight", "w2_weight")
+    }
+    assert (manifest.tp, manifest.ep) == (1, 1)

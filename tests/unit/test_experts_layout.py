@@ -17,7 +17,7 @@ from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.staging import RankPart
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.experts import FUSED_MOE, check_placement, local_experts
-from weightcast.contract.fusion import ModelShape, check_shapes, expected_shape
+from weightcast.contract.fusion import ModelShape, check_shapes, expected_shape, unfuse
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.sharding import Shard, ShardKind, rank_slice
@@ -258,3 +258,29 @@ def test_loaders_fed_a_ranks_placed_experts_hold_its_block(
         w13, w2 = fused_moe_rank(*tensors, tp, rank, ep)
         assert torch.equal(w13, parts[0].tensor) and torch.equal(w2, parts[1].tensor), rank
         assert {packed_name(n) for n in placed} == {p.name for p in parts}
+
+
+@pytest.mark.parametrize(("tp", "ep"), PLACEMENTS)
+def test_unfuse_gives_back_every_experts_hf_tensors(tmp_path: Path, tp: int, ep: bool) -> None:
+    """What the publisher wrote for a placement, unfused, is the HF state dict it came from:
+    each expert's ``gate_proj`` / ``up_proj`` / ``down_proj``, the router, the dense layer."""
+    shape = moe_shape()
+    state = hf_state(shape, torch.bfloat16)
+    fused = load_file(str(publish(tmp_path, shape, tp, ep) / FUSED_WEIGHTS_FILE))
+    back = unfuse(fused, shape, tp)
+    assert set(back) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_unfuse_refuses_expert_tensors_that_fit_no_placement(tmp_path: Path) -> None:
+    shape = moe_shape()
+    fused = load_file(str(publish(tmp_path, shape, 2, False) / FUSED_WEIGHTS_FILE))
+    name = f"model.layers.2.{FUSED_MOE}.w2_weight"
+    fused[name] = fused[name][:, :, :-1]
+    with pytest.raises(LayoutError, match=r"w2_weight has shape \(8, 16, 7\); tp=2, ep=1 implies"):
+        unfuse(fused, shape, 2)
+    for name in [n for n in fused if n.endswith(("w13_weight", "w2_weight"))]:
+        fused[name] = fused[name][:-1]
+    with pytest.raises(LayoutError, match=r"^a FusedMoE parameter with 7 experts' rows fits no"):
+        unfuse(fused, shape, 2)

@@ -11,7 +11,9 @@ import torch
 
 from weightcast.contract.codec import BatchLimits, validate_tensors
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.fusion import assemble, plan_vllm_fused
+from weightcast.contract.experts import is_expert_source, plan_experts
+from weightcast.contract.fusion import FusedTensor, assemble, plan_vllm_fused
+from weightcast.contract.layout import FUSED_ARCHITECTURE
 from weightcast.local.rollout import (
     ModelPolicy,
     UniformPolicy,
@@ -22,7 +24,14 @@ from weightcast.local.rollout import (
 from weightcast.runtime.config import RolloutConfig
 from weightcast.trainer.loss import token_logprobs
 
-from helpers import checkpoint_tensors, hf_config, hf_state, save_pretrained_qwen3, shape_of
+from helpers import (
+    checkpoint_tensors,
+    hf_config,
+    hf_state,
+    moe_shape,
+    save_pretrained_qwen3,
+    shape_of,
+)
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64)
 
@@ -79,6 +88,29 @@ def test_a_policy_built_from_published_fused_tensors_is_the_hf_model() -> None:
     direct = ModelPolicy(1, config(), state)
     rebuilt = ModelPolicy.from_published(1, config(), published, tp=2)
     ids = torch.randint(0, SHAPE.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(direct.model(ids).logits, rebuilt.model(ids).logits)
+
+
+@pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (2, 2)])
+def test_a_policy_built_from_a_published_moe_version_is_the_hf_model(tp: int, ep: int) -> None:
+    """A fused MoE version (its config.json names weightcast's marker architecture) builds
+    ``Qwen3MoeForCausalLM`` with the HF weights: the experts unfused, whatever the placement."""
+    shape = moe_shape()
+    state = hf_state(shape, torch.bfloat16)
+    rows = {n: t.shape[0] for n, t in state.items()}
+    dense = plan_vllm_fused({n: r for n, r in rows.items() if not is_expert_source(n)}, shape, tp)
+    published = {p.name: assemble(p, state) for p in dense} | {
+        p.name: assemble(FusedTensor(p.name, p.pieces, p.shard), state).reshape(p.shape)
+        for p in plan_experts(rows, shape, tp, ep)
+    }
+    hf = {**hf_config(shape), "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    direct = ModelPolicy(1, hf, state)
+    rebuilt = ModelPolicy.from_published(
+        1, {**hf, "architectures": [FUSED_ARCHITECTURE]}, published, tp
+    )
+    assert type(rebuilt.model).__name__ == "Qwen3MoeForCausalLM"
+    ids = torch.randint(0, shape.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(direct.model(ids).logits, rebuilt.model(ids).logits)
 
