@@ -10,10 +10,14 @@ publisher's ``published`` event arrives (watch, read headers, plan, copy, digest
 floats, fsync, rename, register). Before each timing the filesystem is synced and left idle
 for a second. Printed per shape: medians over the rounds, the median of the per-round ratios
 publish / baseline with its spread (min..max), and the daemon's peak RSS (VmHWM, its whole
-life, imports included). ``--json`` writes the same as JSON.
+life, imports included). ``--json`` writes the same as JSON. ``--stages`` also times, each
+round on the same bytes, each per-byte stage of the writer alone (copy from the page cache,
+block digests, NaN scan) and its read + digest + scan pipeline without the write: the floor
+under the publish on this machine.
 
     .venv/bin/python bench/bench_publisher.py                          # tiny, 0.6B, 1.7B
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --rounds 7 --format dcp-torchsave
+    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --stages --no-delta
     .venv/bin/python bench/bench_publisher.py --shapes 30B-A3B-2L --tp 4 --expert-parallel
 """
 
@@ -211,6 +215,52 @@ def cold_read(path: Path) -> float:
         os.close(fd)
 
 
+def stage_seconds(path: Path, digest: str) -> dict[str, float]:
+    """Each per-byte stage of the writer alone, in one thread, on ``path`` (pages warm), one
+    ring buffer at a time as the writer does: the copy from the page cache into the buffer,
+    the block digests, the NaN scan of its float tensors; then the writer's own read + digest
+    + scan pipeline (its threads, its ring, no write)."""
+    from weightcast.contract.manifest import BLOCK_BYTES, new_hasher
+    from weightcast.contract.tensorfile import NON_FINITE, read_header
+    from weightcast.publisher.safetensors_writer import (
+        _CHECK_BYTES,
+        BUFFER_BYTES,
+        _non_finite,
+        digest_file,
+    )
+
+    seconds = dict.fromkeys(("copy_s", "hash_s", "scan_s"), 0.0)
+    buffer, scratch = mmap.mmap(-1, BUFFER_BYTES), np.empty(_CHECK_BYTES, dtype=np.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        spans = [s for s in read_header(fd, str(path)).tensors if s.dtype in NON_FINITE]
+        size = os.fstat(fd).st_size
+        for offset in range(0, size, BUFFER_BYTES):
+            t0 = time.perf_counter()
+            n = os.preadv(fd, [buffer], offset)
+            t1 = time.perf_counter()
+            with memoryview(buffer) as view:
+                for at in range(0, n, BLOCK_BYTES):
+                    hasher = new_hasher(digest)
+                    hasher.update(view[at : min(n, at + BLOCK_BYTES)])
+                    hasher.hexdigest()
+            t2 = time.perf_counter()
+            for span in spans:
+                lo, hi = max(span.start, offset), min(span.stop, offset + n)
+                if lo < hi:
+                    assert not _non_finite(buffer, lo - offset, hi - lo, span.dtype, scratch)
+            t3 = time.perf_counter()
+            seconds["copy_s"] += t1 - t0
+            seconds["hash_s"] += t2 - t1
+            seconds["scan_s"] += t3 - t2
+    finally:
+        os.close(fd)
+        buffer.close()
+    start = time.perf_counter()
+    digest_file(path, spans, digest, path.name)
+    return seconds | {"pipeline_s": time.perf_counter() - start}
+
+
 def publisher_env(url: str, keys: Keys, checkpoints: Path, weights: Path) -> dict[str, str]:
     """The environment of a publisher (or node) process of this benchmark."""
     return {
@@ -243,7 +293,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
     log = open(work / "publisher.log", "wb")  # noqa: SIM115 (closed below)
     command = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(args.tp)]
     command += ["--reader", args.reader, "--rescan-seconds", "30", "--layout", args.layout]
-    command += ["--digest", args.digest, "--keep", "1"]
+    command += ["--digest", args.digest, "--keep", "1", "--delta" if args.delta else "--no-delta"]
     command += ["--expert-parallel"] if args.expert_parallel else []
     daemon = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -252,7 +302,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
             assert daemon.poll() is None, (work / "publisher.log").read_text()
             assert time.monotonic() < deadline, "publisher did not start"
             time.sleep(0.1)
-        raw, publish = [], []
+        raw, publish, stages = [], [], []
         for step in range(1, rounds + 1):
             tmp = checkpoints / f".tmp-step-{step}"
             shutil.copytree(template, tmp, copy_function=os.link)  # warm pages, no space
@@ -263,6 +313,8 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
             settle()
             raw.append(raw_copy(template, weights / f".raw-{step}"))
             shutil.rmtree(weights / f".raw-{step}")
+            if args.stages:
+                stages += [stage_seconds(f, args.digest) for f in data_files(template)]
             settle()
             start = time.perf_counter()
             os.rename(tmp, checkpoints / f"step-{step}")
@@ -282,7 +334,8 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
         log.close()
         shutil.rmtree(work, ignore_errors=True)
     ratios = [p / r for p, r in zip(publish, raw, strict=True)]
-    return {
+    per_stage = {k: statistics.median(st[k] for st in stages) for k in stages[0]} if stages else {}
+    return per_stage | {
         "shape": name,
         "bytes": nbytes,
         "rounds": rounds,
@@ -312,6 +365,17 @@ def main() -> None:
         default=FORMAT_DCP_SAFETENSORS,
         choices=[FORMAT_DCP_SAFETENSORS, FORMAT_DCP_TORCH_SAVE],
     )
+    parser.add_argument(
+        "--delta",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the publisher's --delta (on by default; each round's base is the last round)",
+    )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="also time each per-byte stage of the writer alone on the same data, per round",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: /tmp)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
@@ -319,6 +383,7 @@ def main() -> None:
     machine = f"{platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     settings = f"format={args.format} reader={args.reader} layout={args.layout} tp={args.tp}"
     settings += " expert-parallel" if args.expert_parallel else ""
+    settings += f" delta={'on' if args.delta else 'off'}"
     print(f"{machine}; {settings} digest={args.digest} rounds={args.rounds} dir={root}")
     print(
         f"{'shape':>6} {'GB':>6} {'cp+fsync s':>10} {'publish s':>10} {'ratio':>6} "
@@ -335,6 +400,14 @@ def main() -> None:
                 f"{r['publish_GBps']:5.2f} {r['peak_rss_mb']:7.0f}",
                 flush=True,
             )
+            if args.stages:
+                print(
+                    f"{'':>6} stages alone (median s): copy {r['copy_s']:.3f} "
+                    f"xxh3/digest {r['hash_s']:.3f} NaN scan {r['scan_s']:.3f} "
+                    f"sum {r['copy_s'] + r['hash_s'] + r['scan_s']:.3f}; "
+                    f"writer pipeline without write {r['pipeline_s']:.3f}",
+                    flush=True,
+                )
     shutil.rmtree(root, ignore_errors=True)
     if args.json:
         given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
