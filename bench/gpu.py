@@ -9,7 +9,8 @@
    parameters at tp 1 and 2: equal bytes, unchanged ``data_ptr``, a CUDA graph replayed
    after the update; GB/s against blocking copies (``bench_inplace.py``);
 4. ``freshness-tp1``, ``freshness-tp2``: snapshot start -> registered -> a node holding its
-   rank's part on the GPU, one round each (``bench_freshness.py``).
+   rank's part on the GPU, one round each, by full version and by delta
+   (``bench_freshness.py --modes full delta``).
 
 Each step runs as its own process with its own time limit, cut to what is left of
 :data:`BUDGET_S`; it writes ``<out>/<step>.json`` when it ends, and this script rewrites
@@ -57,6 +58,7 @@ def steps(dry: bool, work: Path) -> list[tuple[str, list[str], int]]:
     listed.append(("inplace", inplace, 40))
     for tp in ("1", "2"):
         fresh = ["bench_freshness.py", "--shape", shape, "--tp", tp, "--rounds", "1"]
+        fresh += ["--modes", "full", "delta"]
         listed.append((f"freshness-tp{tp}", [*fresh, "--device", device, *files], 45))
     return listed
 

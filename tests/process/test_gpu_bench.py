@@ -36,8 +36,9 @@ def test_the_dry_run_runs_every_step_and_writes_each_steps_figures(tmp_path: Pat
     assert [row["tp"] for row in report["inplace"]["results"]] == [1, 2]
     assert all(row["inplace_gb_s"] > 0 for row in report["inplace"]["results"])
     for tp in (1, 2):
-        (fresh,) = report[f"freshness-tp{tp}"]["results"]
-        assert fresh["tp"] == tp and fresh["total"] > 0
+        full, delta = report[f"freshness-tp{tp}"]["results"]
+        assert (full["mode"], delta["mode"]) == ("full", "delta")
+        assert full["tp"] == delta["tp"] == tp and full["total"] > 0 and delta["total"] > 0
         (published,) = report[f"publish-tp{tp}"]["results"]
         assert published["publish_s"] > 0
 
