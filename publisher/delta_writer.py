@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -131,7 +132,7 @@ class DeltaSink:
         self.digests: list[str] = []
         self._hasher = new_hasher(digest)
         self._hashed = 0  # bytes of the delta file's current digest block
-        self._out = None
+        self._out: BinaryIO | None = None
         self._finished = False
         why = same_plan(base.manifest, tensors)
         if why:
