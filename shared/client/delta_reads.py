@@ -59,10 +59,6 @@ class HeldFile:
             at += starts[index + 1] - starts[index]
         return cls(starts, offsets, torch.empty(at, dtype=torch.uint8, device="cpu"))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.starts[i + 1] - self.starts[i] for i in self.offsets)
-
     def block(self, index: int) -> np.ndarray:
         """Block ``index``'s bytes, writable (a view)."""
         at = self.offsets[index]
@@ -106,10 +102,6 @@ class HeldBase:
     manifest: Manifest
     wants: tuple[object, ...]
     files: dict[str, HeldFile] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(f.nbytes for f in self.files.values())
 
 
 def delta_refusal(base: HeldBase | None, manifest: Manifest, wants: tuple[object, ...]) -> str:

@@ -17,10 +17,11 @@
    sibling process already did (:mod:`weightcast.client.verified`), so no byte is returned
    that was not checked.
 
-With ``keep_base`` the reader also keeps the verified blocks it read
-(:class:`~weightcast.client.delta_reads.HeldBase`), and reads the next version of the same
-part by its delta from them when the version lists one from the version held: only the
-delta's frames of those blocks are read, and every rebuilt block is verified against the new
+With ``keep_base`` the reader reads the blocks into a buffer it keeps
+(:class:`~weightcast.client.delta_reads.HeldBase`), returns views of it, and reads the next
+version of the same part by its delta when the version lists one from the version held:
+only the delta's frames of those blocks are read, applied in place (the tensors returned
+before become the new version), and every rebuilt block is verified against the new
 version's digest. Otherwise (no base, another base, a version skipped, a bad frame, a digest
 that differs) it reads the full version and :attr:`ReadStats.reason` says why.
 
