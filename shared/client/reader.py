@@ -17,10 +17,11 @@
    sibling process already did (:mod:`weightcast.client.verified`), so no byte is returned
    that was not checked.
 
-With ``keep_base`` the reader also keeps the verified blocks it read
-(:class:`~weightcast.client.delta_reads.HeldBase`), and reads the next version of the same
-part by its delta from them when the version lists one from the version held: only the
-delta's frames of those blocks are read, and every rebuilt block is verified against the new
+With ``keep_base`` the reader reads the blocks into a buffer it keeps
+(:class:`~weightcast.client.delta_reads.HeldBase`), returns views of it, and reads the next
+version of the same part by its delta when the version lists one from the version held:
+only the delta's frames of those blocks are read, applied in place (the tensors returned
+before become the new version), and every rebuilt block is verified against the new
 version's digest. Otherwise (no base, another base, a version skipped, a bad frame, a digest
 that differs) it reads the full version and :attr:`ReadStats.reason` says why.
 
@@ -32,7 +33,6 @@ before anything is allocated.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import math
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -49,7 +49,7 @@ from weightcast.client.confine import (
     plain_name,
     registered_parts,
 )
-from weightcast.client.delta_reads import Blocks, HeldBase, capture, delta_refusal, rebuild
+from weightcast.client.delta_reads import HeldBase, HeldFile, apply_delta, delta_refusal
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
 from weightcast.contract.delta import DeltaError
 from weightcast.contract.errors import LayoutError, WeightsError
@@ -67,7 +67,6 @@ from weightcast.contract.tensorfile import (
     DTYPE_SIZES,
     PREFIX_BYTES,
     TORCH_NAMES,
-    Header,
     HeaderError,
     TensorSpan,
     header_length,
@@ -236,13 +235,13 @@ class VersionReader:
                 stats.reason = delta_refusal(self.base, manifest, part)
                 if not stats.reason:
                     try:
-                        tensors, rebuilt = self._read_delta(directory, manifest, by_file, stats)
+                        tensors = self._read_delta(directory, manifest, by_file, stats)
                     except DeltaError as exc:
-                        stats.reason = f"the delta failed: {exc}"
-                        self.base = None  # rebuilt in place, part way: no longer a base
+                        stats = ReadStats(reason=f"the delta failed: {exc}")
                     else:
+                        assert self.base is not None
                         self.base = HeldBase(
-                            info.version, info.manifest_sha256, manifest, part, rebuilt
+                            info.version, info.manifest_sha256, manifest, part, self.base.files
                         )
                         stats.via = "delta"
                         self.stats = stats
@@ -251,9 +250,13 @@ class VersionReader:
             tensors = {}
             for name, file_wants in by_file.items():
                 entry = _file_entry(manifest, name)
-                keep = held.blocks.setdefault(name, {}) if self.keep_base else None
                 with directory.open(name, entry.bytes) as f:
-                    tensors |= self._read_file(f, _key(info), entry, file_wants, stats, keep=keep)
+                    got, kept = self._read_file(
+                        f, _key(info), entry, file_wants, stats, keep=self.keep_base
+                    )
+                tensors |= got
+                if kept is not None:
+                    held.files[name] = kept
             if self.keep_base:
                 self.base = held
         self.stats = stats
@@ -265,27 +268,28 @@ class VersionReader:
         manifest: Manifest,
         by_file: dict[str, list[Want]],
         stats: ReadStats,
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Blocks]]:
-        """The wanted tensors rebuilt from the base's blocks and the delta's frames for them,
-        every block verified (:func:`~weightcast.client.delta_reads.rebuild`), and the
-        rebuilt blocks (the next base)."""
+    ) -> dict[str, torch.Tensor]:
+        """The wanted tensors, the base's held blocks turned into this version's in place
+        (:func:`~weightcast.client.delta_reads.apply_delta`, every block verified): views
+        of them where the tensor's bytes are contiguous."""
         assert self.base is not None and manifest.delta is not None
         delta = manifest.delta
-        rebuilt: dict[str, Blocks] = {}
-        tensors: dict[str, torch.Tensor] = {}
+        files = []
+        for name in by_file:
+            held = self.base.files.get(name)
+            if held is None:
+                raise DeltaError(f"the node holds no block of {name}")
+            files.append((_file_entry(manifest, name), _file_entry(self.base.manifest, name), held))
         with directory.open(delta.file, _file_entry(manifest, delta.file).bytes) as frames:
-            for name, file_wants in by_file.items():
-                held = self.base.blocks.get(name)
-                if not held:
-                    raise DeltaError(f"the node holds no block of {name}")
-                entry = _file_entry(manifest, name)
-                base_entry = _file_entry(self.base.manifest, name)
-                blocks, read = rebuild(delta, frames, entry, base_entry, held)
-                stats.bytes_read += read
-                stats.blocks_hashed += len(blocks)
-                tensors |= _tensors_of(blocks, entry, file_wants, f"{directory.label}/{name}")
-                rebuilt[name] = blocks
-        return tensors, rebuilt
+            stats.bytes_read += apply_delta(delta, frames, files)
+        tensors: dict[str, torch.Tensor] = {}
+        for entry, _, held in files:
+            label = f"{directory.label}/{entry.name}"
+            spans = _header_of(held, entry, label)
+            parts = [_part(want, spans, label) for want in by_file[entry.name]]
+            tensors |= _held_tensors(held, parts, label)
+            stats.blocks_hashed += len(held.offsets)
+        return tensors
 
     def _open(self, info: VersionInfo) -> VersionDir:
         return VersionDir(self.root, registered_parts(info.path, self.root, self.root_as_given))
@@ -310,40 +314,48 @@ class VersionReader:
         wants: Sequence[Want],
         stats: ReadStats,
         everything: bool = False,
-        keep: Blocks | None = None,
-    ) -> dict[str, torch.Tensor]:
+        keep: bool = False,
+    ) -> tuple[dict[str, torch.Tensor], HeldFile | None]:
         """The wanted tensors of one open file, out of verified blocks only: contiguous parts
         are read straight into their tensors, column blocks copied out of verified windows.
-        ``keep``: where to copy every block read, the header's too (a delta's base; files
-        with block digests only)."""
+        ``keep`` (files with block digests): every block read, the header's too, goes to a
+        :class:`~weightcast.client.delta_reads.HeldFile` (a delta's base, returned too), and
+        the tensors are views of it."""
         check = checker(entry, self.record.known(key, entry.name, f.identity), f.label)
         spans = read_header(f, check)
-        if entry.blocks is None:
-            keep = None
         parts = [_part(want, spans, f.label) for want in wants]
-        # On the CPU whatever the default device: preadv writes into these addresses.
-        outputs = {p.name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in parts}
-        direct = sorted(
-            (p.rect.offset, tensor_bytes(outputs[p.name])) for p in parts if p.rect.rows == 1
-        )
-        columns = [p for p in parts if p.rect.rows > 1]
+        held = outputs = None
         if everything:
             blocks: Iterable[int] = range(check.block_count)
+        elif keep and entry.blocks is not None:
+            header = (0, _data_start(spans, f.size))
+            blocks = check.needed([header, *(p.rect.extent for p in parts)])
+            held = HeldFile.allocate(check.starts, blocks)
         else:
-            header = [(0, _data_start(spans, f.size))] if keep is not None else []
-            blocks = check.needed([*header, *(p.rect.extent for p in parts)])
-        for window in check.read(f, blocks, direct):
-            if keep is not None:
-                capture(window, check.starts, blocks, keep)
-            for p in columns:
-                flat = outputs[p.name].view(-1).view(torch.uint8)
-                copy_rect(p.rect, window.start, window.scratch, flat)
+            blocks = check.needed(p.rect.extent for p in parts)
+        if held is not None:
+            for _ in check.read(f, blocks, held.runs()):
+                pass
+        else:
+            # On the CPU whatever the default device: preadv writes into these addresses.
+            outputs = {p.name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in parts}
+            direct = sorted(
+                (p.rect.offset, tensor_bytes(outputs[p.name])) for p in parts if p.rect.rows == 1
+            )
+            columns = [p for p in parts if p.rect.rows > 1]
+            for window in check.read(f, blocks, direct):
+                for p in columns:
+                    flat = outputs[p.name].view(-1).view(torch.uint8)
+                    copy_rect(p.rect, window.start, window.scratch, flat)
         check.finish()
         stats.bytes_read += check.bytes_read
         stats.blocks_hashed += check.hashed
         stats.blocks_trusted += check.trusted
         self.record.add(key, entry.name, f.identity, check.verified)
-        return outputs
+        if held is not None:
+            return _held_tensors(held, parts, f.label), held
+        assert outputs is not None
+        return outputs, None
 
 
 def check_node_manifest(manifest: Manifest, label: str) -> None:
@@ -391,52 +403,41 @@ def _data_start(spans: dict[str, TensorSpan], size: int) -> int:
     return min((span.start for span in spans.values()), default=size)
 
 
-def _tensors_of(
-    blocks: Blocks, entry: FileEntry, wants: Sequence[Want], label: str
-) -> dict[str, torch.Tensor]:
-    """The wanted tensors of one file out of its verified ``blocks`` (block index -> bytes;
-    the header's among them): a :class:`DeltaError` if a byte they need is not there."""
-    assert entry.blocks is not None
-    starts = entry.blocks.starts
-    header = _header_of(blocks, entry, label)
-    spans = {span.name: span for span in header.tensors}
-    parts = [_part(want, spans, label) for want in wants]
-    # On the CPU whatever the default device: memory copies write into these addresses.
-    outputs = {p.name: torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in parts}
+def _held_tensors(held: HeldFile, parts: Sequence[_Part], label: str) -> dict[str, torch.Tensor]:
+    """The parts out of a file's held blocks: views where a part is contiguous (it changes
+    with them: the next delta read updates it in place), copies of column blocks; a
+    :class:`DeltaError` if a byte they need is not held."""
+    outputs = {}
     for p in parts:
         first, last = p.rect.extent
-        missing = [i for i in entry.blocks.block_range(first, last) if i not in blocks]
-        if missing:
-            raise DeltaError(f"{label}: the node holds no block {missing[0]} of {p.name}")
-        if p.rect.rows == 1:  # contiguous: plain memory copies (no torch thread pool)
-            dest = tensor_bytes(outputs[p.name])
-            for index in entry.blocks.block_range(first, last):
-                lo, hi = max(first, starts[index]), min(last, starts[index + 1])
-                source = memoryview(blocks[index])[lo - starts[index] : hi - starts[index]]
-                dest[lo - first : hi - first] = source
+        if p.rect.rows == 1:
+            data = held.span(first, last)
+            if data is None:
+                raise DeltaError(f"{label}: the node holds no block of {p.name}")
+            outputs[p.name] = data.view(p.dtype).view(p.shape)
             continue
-        flat = outputs[p.name].view(-1).view(torch.uint8)
-        for index in entry.blocks.block_range(first, last):
-            copy_rect(p.rect, starts[index], memoryview(blocks[index]), flat)
+        # On the CPU whatever the default device, as every read.
+        out = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+        for start, data in held.runs():
+            copy_rect(p.rect, start, data, out.view(-1).view(torch.uint8))
+        outputs[p.name] = out
     return outputs
 
 
-def _header_of(blocks: Blocks, entry: FileEntry, label: str) -> Header:
-    """The file's header, parsed out of its first blocks."""
-    head = bytearray()
-    need = PREFIX_BYTES
+def _header_of(held: HeldFile, entry: FileEntry, label: str) -> dict[str, TensorSpan]:
+    """The file's tensors by name, from its header, parsed out of its first held blocks."""
     try:
-        for index in itertools.count():
-            if len(head) >= need:
-                break
-            if index not in blocks:
-                raise DeltaError(f"{label}: the node holds no block of its header")
-            head += blocks[index].tobytes()
-            if need == PREFIX_BYTES and len(head) >= PREFIX_BYTES:
-                need += header_length(bytes(head[:PREFIX_BYTES]), entry.bytes, label)
-        return parse_header(bytes(head[PREFIX_BYTES:need]), entry.bytes, label)
+        prefix = held.span(0, min(PREFIX_BYTES, entry.bytes))
+        if prefix is None:
+            raise DeltaError(f"{label}: the node holds no block of its header")
+        stop = PREFIX_BYTES + header_length(prefix.numpy().tobytes(), entry.bytes, label)
+        head = held.span(PREFIX_BYTES, stop)
+        if head is None:
+            raise DeltaError(f"{label}: the node holds no block of its header")
+        header = parse_header(head.numpy().tobytes(), entry.bytes, label)
     except HeaderError as exc:
         raise WeightsError(str(exc)) from None
+    return {span.name: span for span in header.tensors}
 
 
 # -- what to read ------------------------------------------------------------------------

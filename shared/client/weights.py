@@ -58,9 +58,10 @@ class WeightsClient:
     directory that the node's reader processes (vLLM workers) share so that each block is
     verified once per node and version (see :mod:`weightcast.client.verified`); None keeps
     that record in this process. ``keep_base``: keep the verified blocks of the last version
-    read (as much memory again as its tensors) and read the next version of the same part by
-    its delta from them when it has one (:mod:`weightcast.client.delta_reads`); such a client
-    reads one version at a time (the base is replaced by each read).
+    read, which the returned tensors are views of, and read the next version of the same part
+    by its delta from them when it has one (:mod:`weightcast.client.delta_reads`): the
+    tensors returned before are then updated in place (clone one to keep a version). Such a
+    client reads one version at a time (the base is replaced by each read).
     """
 
     def __init__(

@@ -107,8 +107,8 @@ def test_a_damaged_base_fails_the_digest_check_and_the_full_version_is_read(run:
     node, full = keeping(run), run.deployment.reader()
     node.rank_tensors(run.publish(), 1, TP)
     assert node.files.base is not None
-    held = node.files.base.blocks["model.vllm-fused"]
-    block = held[max(held)]
+    held = node.files.base.files["model.vllm-fused"]
+    block = held.block(max(held.offsets))
     block[len(block) // 2] ^= 0x01  # memory gone bad: the rebuilt block cannot match
     version = run.publish()
     assert same(node.rank_tensors(version, 1, TP), full.rank_tensors(version, 1, TP))
@@ -163,3 +163,38 @@ def test_a_delta_read_lands_in_host_memory_under_a_default_device_context(run: R
     assert node.files.stats.via == "delta", node.files.stats.reason
     assert {t.device.type for t in mine.values()} == {"cpu"}
     assert same(mine, full.rank_tensors(version, 0, TP))
+
+
+def test_a_delta_read_updates_the_tensors_the_node_holds_in_place(run: Run) -> None:
+    """No copy: the tensors of the version the node holds are views of its base, and a read
+    by delta turns them into the new version where they are (the same storage)."""
+    node, full = keeping(run), run.deployment.reader()
+    held = node.rank_tensors(run.publish(), 1, TP)
+    pointers = {name: tensor.data_ptr() for name, tensor in held.items()}
+    version = run.publish()
+    mine = node.rank_tensors(version, 1, TP)
+    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert {name: tensor.data_ptr() for name, tensor in mine.items()} == pointers
+    assert same(held, full.rank_tensors(version, 1, TP))
+
+
+def test_a_failed_delta_leaves_the_held_version_whole(run: Run) -> None:
+    """Blocks rebuilt before the bad frame was met are changed back (XOR is its own
+    inverse): the tensors the node holds are still, bitwise, the version it held."""
+    node = keeping(run)
+    first = run.publish()
+    held = node.rank_tensors(first, 0, TP)
+    before = {name: tensor.clone() for name, tensor in held.items()}
+    version = run.publish()
+    manifest = run.manifest(version)
+    assert manifest.delta is not None
+    frames = [f for f in manifest.delta.frames("model.vllm-fused") if f[1]]
+    assert len(frames) > 4  # blocks before the bad one are rebuilt first
+    path = run.deployment.root / "weights" / f"v{version}" / manifest.delta.file
+    data = bytearray(path.read_bytes())
+    offset, length = frames[-1]
+    data[offset + length // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    node.rank_tensors(version, 0, TP)
+    assert node.files.stats.via == "full"
+    assert same(held, before)
