@@ -8,9 +8,12 @@ the median over versions of the delta's size over the full version's (the regist
 
 ``node``: a bf16 snapshot of ``--shape`` (random values, as bench_publisher writes them) and
 a copy of it with ``--changed`` of its values moved to a bf16 neighbour (what a small step
-does). The converter publishes the first as v1; then each round, alternately, publishes the
-second with and without a delta (the same base v1; the pages of both snapshots and of v1
-warm, as after a trainer write and the previous publish) and a node reads it: a node holding
+does). The converter publishes the first as v1; then each round publishes the second three
+times against the same base v1, the pages of both snapshots warm (as after a trainer write):
+with a delta and v1 dropped from the page cache first (``cold base``: the publisher writes
+with ``O_DIRECT``, so its previous version is on disk only unless a node on the same machine
+read it), with a delta and v1 in the page cache (``warm base``: the cold publish just read
+it), and without a delta; then a node reads it: a node holding
 v1 (``keep_base``) by delta against a fresh node by the full version, both with the version's
 files dropped from the page cache first (``posix_fadvise DONTNEED``: a cold cache without
 root). Prints medians and the median of the per-round ratios (delta / full).
@@ -188,13 +191,14 @@ def node(args: argparse.Namespace) -> dict:
         rows = []
         for _ in range(args.rounds):
             row: dict[str, float] = {}
-            for delta in (True, False):
+            for kind in ("publish_cold", "publish_delta", "publish_full"):
                 shutil.rmtree(weights / "v2", ignore_errors=True)
+                if kind == "publish_cold":
+                    drop_cache(weights / "v1")
                 os.sync()
                 time.sleep(0.5)
-                options = ConvertOptions(delta=delta)
-                seconds = timed(partial(convert, second, weights, 2, options))
-                row["publish_delta" if delta else "publish_full"] = seconds
+                options = ConvertOptions(delta=kind != "publish_full")
+                row[kind] = timed(partial(convert, second, weights, 2, options))
             shutil.rmtree(weights / "v2")
             published = convert(second, weights, 2, ConvertOptions(delta=True))
             info = registered(weights, 2)
@@ -216,12 +220,15 @@ def node(args: argparse.Namespace) -> dict:
             print(json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         publish = [r["publish_delta"] / r["publish_full"] for r in rows]
+        cold = [r["publish_cold"] / r["publish_full"] for r in rows]
         update = [r["node_delta"] / r["node_full"] for r in rows]
         print(
             f"{args.shape}, {args.changed:.1%} of values changed: delta {med['delta_ratio']:.2%} "
             f"of the version\n"
-            f"  publish with delta {med['publish_delta']:.2f} s, without {med['publish_full']:.2f}"
-            f" s: {statistics.median(publish):.2f}x ({min(publish):.2f}..{max(publish):.2f})\n"
+            f"  publish without delta {med['publish_full']:.2f} s; with delta, warm base "
+            f"{med['publish_delta']:.2f} s: {statistics.median(publish):.2f}x "
+            f"({min(publish):.2f}..{max(publish):.2f}); cold base {med['publish_cold']:.2f} s: "
+            f"{statistics.median(cold):.2f}x ({min(cold):.2f}..{max(cold):.2f})\n"
             f"  node update by delta {med['node_delta']:.2f} s ({med['delta_read_bytes'] / 1e6:.0f}"
             f" MB read), by full {med['node_full']:.2f} s ({med['full_read_bytes'] / 1e6:.0f} MB):"
             f" {statistics.median(update):.2f}x ({min(update):.2f}..{max(update):.2f})"

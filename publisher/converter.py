@@ -4,7 +4,9 @@
 (:func:`~weightcast.publisher.sources.open_source`: byte ranges from the safetensors
 headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.plan.plan_version`,
 pure), write each planned file (:mod:`weightcast.publisher.safetensors_writer`: copy, digest
-per block, check floats) and the JSON files, then the manifest. Everything goes to
+per block, check floats; and, when the previous version has the same plan, encode the delta
+from it on the way: :mod:`weightcast.publisher.delta_writer`) and the JSON files, then the
+manifest. Everything goes to
 ``.tmp-v<N>/``, is fsynced, and only then renamed to ``v<N>/``: a ``v*`` directory is always
 whole. Fused files are named ``*.vllm-fused`` and their ``config.json`` names the marker
 architecture (:func:`~weightcast.contract.layout.fused_config`), so stock vLLM refuses them
@@ -39,7 +41,7 @@ from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, pl
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
-from weightcast.publisher.delta_writer import find_base, write_delta
+from weightcast.publisher.delta_writer import DeltaSink, find_base
 from weightcast.publisher.safetensors_writer import (
     NonFiniteTensor,
     OutputTensor,
@@ -68,8 +70,8 @@ class ConvertOptions:
     """``auto``: byte ranges when the snapshot allows, else ``dcp.load``; ``dcp-load``: always."""
     digest: str = DEFAULT_DIGEST
     delta: bool = True
-    """Write a delta from the newest earlier version beside the version, when their plans
-    match (:mod:`weightcast.publisher.delta_writer`)."""
+    """Write a delta from the newest earlier version beside the version, computed as the
+    version is written, when their plans match (:mod:`weightcast.publisher.delta_writer`)."""
     expert_parallel: bool = False
     """A mixture of experts' experts laid out whole per rank (vLLM's ``enable_expert_parallel``,
     ep = tp) instead of each expert split over the ranks (ep = 1)."""
@@ -106,9 +108,10 @@ def convert(
     final = weights_dir / version_dir_name(version)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    sink = _delta_sink(weights_dir, tmp, version, plan, options) if options.delta else None
     try:
-        files, linked = _write_files(tmp, plan, source, config, options.digest)
-        delta = _delta(weights_dir, tmp, version, plan, files, options) if options.delta else None
+        files, linked = _write_files(tmp, plan, source, config, options.digest, sink)
+        delta = sink.finish() if sink is not None else None
         if delta is not None:
             files.append(delta[1])
         manifest = _manifest(snapshot, version, plan, files, delta and delta[0])
@@ -119,6 +122,8 @@ def convert(
         fsync_path(tmp)
         publish_dir(tmp, final)
     except BaseException as exc:
+        if sink is not None:
+            sink.close()
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, NonFiniteTensor):
             raise CorruptSnapshot(f"non-finite weights: {exc}") from None
@@ -146,17 +151,24 @@ def _plan(source: Source, config: dict[str, Any], options: ConvertOptions) -> Ve
 
 
 def _write_files(
-    tmp: Path, plan: VersionPlan, source: Source, config: dict[str, Any], digest: str
+    tmp: Path,
+    plan: VersionPlan,
+    source: Source,
+    config: dict[str, Any],
+    digest: str,
+    sink: DeltaSink | None = None,
 ) -> tuple[list[FileEntry], int]:
-    """Every file of the version, in ``tmp``; their manifest entries and how many linked."""
+    """Every file of the version, in ``tmp``; their manifest entries and how many linked.
+    The listed weights files feed ``sink``, the delta."""
     if plan.hf_dir:
         (tmp / plan.hf_dir).mkdir()
-    files = [_write(tmp, planned, source, digest, plan.tp) for planned in plan.fused]
+    files = [_write(tmp, planned, source, digest, plan.tp, sink) for planned in plan.fused]
     linked = 0
+    hf_sink = None if plan.fused else sink
     for planned in plan.hf:
-        entry = _link(tmp, planned, source, digest)
+        entry = _link(tmp, planned, source, digest, hf_sink)
         linked += entry is not None
-        files.append(entry or _write(tmp, planned, source, digest))
+        files.append(entry or _write(tmp, planned, source, digest, 1, hf_sink))
     if plan.hf:
         hf_dir = f"{plan.hf_dir}/" if plan.hf_dir else ""
         weight_map = dict(sorted(plan.hf_index.items()))
@@ -170,7 +182,14 @@ def _write_files(
     return files, linked
 
 
-def _write(tmp: Path, planned: PlannedFile, source: Source, digest: str, tp: int = 1) -> FileEntry:
+def _write(
+    tmp: Path,
+    planned: PlannedFile,
+    source: Source,
+    digest: str,
+    tp: int = 1,
+    sink: DeltaSink | None = None,
+) -> FileEntry:
     """Write ``planned``; with ``tp`` > 1 its blocks are cut between the ranks' rows."""
     outputs = [
         OutputTensor(
@@ -182,7 +201,7 @@ def _write(tmp: Path, planned: PlannedFile, source: Source, digest: str, tp: int
         )
         for t in planned.tensors
     ]
-    return write_safetensors(tmp / planned.name, outputs, digest, planned.name)
+    return write_safetensors(tmp / planned.name, outputs, digest, planned.name, sink)
 
 
 def rank_rows(tensor: PlannedTensor, tp: int) -> tuple[tuple[int, int], ...]:
@@ -201,9 +220,11 @@ def rank_rows(tensor: PlannedTensor, tp: int) -> tuple[tuple[int, int], ...]:
     return tuple(ranges)
 
 
-def _link(tmp: Path, planned: PlannedFile, source: Source, digest: str) -> FileEntry | None:
+def _link(
+    tmp: Path, planned: PlannedFile, source: Source, digest: str, sink: DeltaSink | None
+) -> FileEntry | None:
     """Link the snapshot's file that already is ``planned``; None when there is none or
-    the filesystem cannot link it (then it is copied)."""
+    the filesystem cannot link it (then it is copied). Its one read feeds ``sink``."""
     found = source.whole_file(planned)
     if found is None:
         return None
@@ -211,7 +232,7 @@ def _link(tmp: Path, planned: PlannedFile, source: Source, digest: str) -> FileE
     target = tmp / planned.name
     if not link_file(path, target):
         return None
-    return digest_file(target, spans, digest, planned.name)
+    return digest_file(target, spans, digest, planned.name, sink)
 
 
 def _json_file(tmp: Path, name: str, data: object, digest: str) -> FileEntry:
@@ -220,21 +241,16 @@ def _json_file(tmp: Path, name: str, data: object, digest: str) -> FileEntry:
     return FileEntry(name, entry.bytes, blocks=entry.blocks)
 
 
-def _delta(
-    weights_dir: Path,
-    tmp: Path,
-    version: int,
-    plan: VersionPlan,
-    files: list[FileEntry],
-    options: ConvertOptions,
-) -> tuple[Delta, FileEntry] | None:
-    """The delta from the newest earlier version, written in ``tmp``, if one can be taken."""
+def _delta_sink(
+    weights_dir: Path, tmp: Path, version: int, plan: VersionPlan, options: ConvertOptions
+) -> DeltaSink | None:
+    """The delta from the newest earlier version, to be fed as the version is written in
+    ``tmp``; None when there is no earlier version."""
     base = find_base(weights_dir, version)
     if base is None:
         return None
-    weights = {f.name for f in plan.listed}
-    listed = [f for f in files if f.name in weights]
-    return write_delta(tmp, listed, _tensors(plan), base, options.digest)
+    names = [f.name for f in plan.listed]
+    return DeltaSink(tmp, base, _tensors(plan), names, options.digest)
 
 
 def _tensors(plan: VersionPlan) -> list[TensorEntry]:

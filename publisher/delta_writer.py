@@ -1,12 +1,20 @@
-"""The delta of a new version from the previous one, written beside it by the publisher.
+"""The delta of a new version from the previous one, computed while the new version is written.
 
-Why here: the publisher has just written the new version (its bytes are in the page cache)
-and wrote the previous one minutes ago (likely still cached), so the delta costs an XOR and
-a zstd pass over blocks that changed, and no trainer time. Blocks whose digests are equal in
-both manifests are marked unchanged without being read. The math is
-:mod:`weightcast.contract.delta`; this module only finds the base, checks that its plan is
-the new version's (same files, tensors and block boundaries: else no delta), and writes the
-frames in order, two blocks at a time (numpy's XOR and zstd release the GIL).
+Why here: the writer's pipeline (:mod:`weightcast.publisher.safetensors_writer`) holds each
+16 MiB of the new version in its ring and digests its blocks; a block whose digest equals the
+base's same block is unchanged and gets an empty frame without any read, and a changed block
+is XORed there with the base's block (read from the base version, which the publisher wrote
+minutes ago: likely still in the page cache) and compressed, while the writer thread waits on
+the disk. The new bytes are never read back, and no trainer time is spent. The math is
+:mod:`weightcast.contract.delta`; this module finds the base, checks that its plan is the new
+version's before anything is written (same tensors, same files cut into the same blocks:
+else no delta), encodes each buffer's frames (:class:`FileFrames`) and writes them in file
+and block order into one delta file per version (:class:`DeltaSink`), with at most the
+ring's worth of frames waiting for an earlier one.
+
+A delta is an optimisation: whatever goes wrong with it (a base file shorter than its
+manifest, unreadable, a full disk) drops the delta, logged with the reason, and the version
+is published without one.
 """
 
 from __future__ import annotations
@@ -15,28 +23,23 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
-from weightcast.contract.delta import (
-    Delta,
-    DeltaFile,
-    compressor,
-    delta_file_name,
-    encode_block,
-)
-from weightcast.contract.durable import fsync_path
+from weightcast.contract.delta import Delta, DeltaFile, compressor, delta_file_name, encode_block
 from weightcast.contract.manifest import (
+    BLOCK_BYTES,
     MANIFEST_FORMAT,
     MANIFEST_NAME,
+    BlockDigests,
     FileEntry,
     Manifest,
     ManifestError,
     TensorEntry,
-    file_entry,
+    new_hasher,
     sha256_bytes,
 )
 from weightcast.runtime.logs import get_logger
@@ -44,10 +47,9 @@ from weightcast.runtime.logs import get_logger
 log = get_logger("publisher")
 
 _VERSION_DIR = re.compile(r"v([0-9]+)")
-WORKERS = 2
-"""Blocks encoded at once."""
 _local = threading.local()
-"""Each worker thread's zstd compressor (one is not shared between threads)."""
+"""Each encoding thread's zstd compressor (one is not shared between threads) and the
+buffer it reads base blocks into."""
 
 
 @dataclass(frozen=True)
@@ -77,88 +79,237 @@ def find_base(weights_dir: Path, version: int) -> Base | None:
     return None
 
 
-def same_plan(base: Manifest, files: Sequence[FileEntry], tensors: Sequence[TensorEntry]) -> str:
-    """Why a delta cannot be taken from ``base`` for a version of these files and tensors
-    ('' when it can): block ``i`` must hold the same tensor bytes in both."""
+def same_plan(base: Manifest, tensors: Sequence[TensorEntry]) -> str:
+    """Why a delta cannot be taken from ``base`` for a version of these tensors ('' when it
+    can, as far as the tensors tell: :func:`same_blocks` checks each file)."""
     if base.format != MANIFEST_FORMAT:
         return f"the base is {base.format}"
     if list(base.tensors) != list(tensors):
         return "the base has other tensors (names, shapes, dtypes or shards)"
-    listed = {f.name: f for f in base.files}
-    for entry in files:
-        old = listed.get(entry.name)
-        if old is None or old.blocks is None or entry.blocks is None:
-            return f"{entry.name} has no block digests in both versions"
-        if old.bytes != entry.bytes or old.blocks.starts != entry.blocks.starts:
-            return f"{entry.name} is cut into other blocks"
-        if old.blocks.algorithm != entry.blocks.algorithm:
-            return f"{entry.name} has {old.blocks.algorithm} digests in the base"
     return ""
 
 
-def write_delta(
-    directory: Path,
-    files: Sequence[FileEntry],
-    tensors: Sequence[TensorEntry],
-    base: Base,
-    digest: str,
-) -> tuple[Delta, FileEntry] | None:
-    """Write ``directory``'s delta from ``base`` for the weights ``files`` (already written
-    there, with their entries); the manifest's :class:`Delta` and the delta file's entry
-    (``digest`` blocks), or None (logged) when the plans differ."""
-    why = same_plan(base.manifest, files, tensors)
-    if why:
-        log.info("no delta", base=base.manifest.version, reason=why)
-        return None
-    name = delta_file_name(base.manifest.version)
-    listed = {f.name: f for f in base.manifest.files}
-    lengths: list[DeltaFile] = []
-    with open(directory / name, "wb") as out, ThreadPoolExecutor(WORKERS) as pool:
-        for entry in files:
-            old = listed[entry.name]
-            count = len(entry.blocks.digests) if entry.blocks else 0
-            frames = pool.map(
-                _frame,
-                [directory / entry.name] * count,
-                [base.path / entry.name] * count,
-                [entry] * count,
-                [old] * count,
-                range(count),
-            )
-            sizes = []
-            for frame in frames:
-                out.write(frame)
-                sizes.append(len(frame))
-            lengths.append(DeltaFile(entry.name, sizes))
-        out.flush()
-        os.fsync(out.fileno())
-    fsync_path(directory)
-    delta = Delta(base.manifest.version, base.manifest_sha256, name, lengths)
-    return delta, file_entry(directory / name, digest)
+def same_blocks(old: FileEntry | None, name: str, size: int, blocks: BlockDigests) -> str:
+    """Why file ``name`` (``size`` bytes cut into ``blocks``) cannot take a delta from the
+    base's entry ``old`` ('' when it can): block ``i`` must hold the same bytes in both."""
+    if old is None or old.blocks is None:
+        return f"{name} has no block digests in the base"
+    if old.bytes != size or old.blocks.starts != blocks.starts:
+        return f"{name} is cut into other blocks"
+    if old.blocks.algorithm != blocks.algorithm:
+        return f"{name} has {old.blocks.algorithm} digests in the base"
+    return ""
 
 
-def _frame(new_path: Path, old_path: Path, new: FileEntry, old: FileEntry, index: int) -> bytes:
-    """Block ``index``'s frame: empty when its digest did not change, else XOR + zstd (each
-    worker thread reads into, and XORs over, buffers of its own)."""
-    assert new.blocks is not None and old.blocks is not None
-    if new.blocks.digests[index] == old.blocks.digests[index]:
-        return b""
-    start, stop = new.blocks.span(index, new.bytes)
-    if not hasattr(_local, "compressor"):
-        _local.compressor = compressor()
-        _local.buffers = (np.empty(0, np.uint8), np.empty(0, np.uint8))
-    if _local.buffers[0].size < stop - start:
-        _local.buffers = (np.empty(stop - start, np.uint8), np.empty(stop - start, np.uint8))
-    fresh, prior = (b[: stop - start] for b in _local.buffers)
-    _read_into(new_path, start, fresh)
-    _read_into(old_path, start, prior)
-    return encode_block(fresh, prior, _local.compressor, out=fresh)
+class DeltaSink:
+    """The delta file of one version (``delta-from-v<B>.xor-zstd`` in ``directory``), fed by
+    each weights file's pipeline in turn; :meth:`finish` gives its manifest entries.
+
+    Frames are written as they become ready, in file and block order: a buffer's frames wait
+    in a small reorder buffer only until the frames before them are written, so memory stays
+    at the ring's size. The delta file's block digests are computed as it is written (it is
+    not read back). Thread-safe: every pipeline thread calls :meth:`FileFrames.hashed`.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        base: Base,
+        tensors: Sequence[TensorEntry],
+        files: Sequence[str],
+        digest: str,
+    ) -> None:
+        self.base = base
+        self.path = directory / delta_file_name(base.manifest.version)
+        self.expected = list(files)
+        """The weights files the delta must cover, in the order they are written."""
+        self.digest = digest
+        self.reason = ""
+        """Why there is no delta ('' while there is one)."""
+        self.files: list[FileFrames] = []
+        self.lock = threading.Lock()
+        self.size = 0
+        self.digests: list[str] = []
+        self._hasher = new_hasher(digest)
+        self._hashed = 0  # bytes of the delta file's current digest block
+        self._out: BinaryIO | None = None
+        self._finished = False
+        why = same_plan(base.manifest, tensors)
+        if why:
+            self.drop(why, planned=True)
+            return
+        try:
+            self._out = open(self.path, "xb")  # noqa: SIM115 (closed by finish or close)
+        except OSError as exc:
+            self.drop(f"cannot create {self.path.name}: {exc}")
+
+    def file(self, name: str, size: int, blocks: BlockDigests) -> FileFrames | None:
+        """The encoder of weights file ``name``'s frames, its blocks known and not yet written;
+        None (and no delta for the version, logged) when the base's file differs."""
+        if name not in self.expected or self.reason:
+            return None
+        old = next((f for f in self.base.manifest.files if f.name == name), None)
+        why = same_blocks(old, name, size, blocks)
+        if why:
+            self.drop(why, planned=True)
+            return None
+        assert old is not None and old.blocks is not None
+        base_path = self.base.path / name
+        try:
+            fd = os.open(base_path, os.O_RDONLY)
+        except OSError as exc:
+            self.drop(f"cannot read the base's {name}: {exc}")
+            return None
+        frames = FileFrames(self, name, size, blocks, old.blocks, fd)
+        self.files.append(frames)
+        try:
+            if os.fstat(fd).st_size != old.bytes:
+                self.drop(f"the base's {name} is not the {old.bytes} bytes its manifest says")
+                return None
+        except OSError as exc:
+            self.drop(f"cannot read the base's {name}: {exc}")
+            return None
+        return frames
+
+    def finish(self) -> tuple[Delta, FileEntry] | None:
+        """The manifest's :class:`Delta` and the delta file's entry, the file fsynced; None
+        when the delta was dropped (its file removed)."""
+        try:
+            with self.lock:
+                done = [f.name for f in self.files if f.next_block == f.count]
+                if not self.reason and done != self.expected:
+                    self._drop(f"the delta covers {done}, not the weights files {self.expected}")
+                if self.reason or self._out is None:
+                    return None
+                if self._hashed:
+                    self.digests.append(self._hasher.hexdigest())
+                self._out.flush()
+                os.fsync(self._out.fileno())
+                self._finished = True
+            base = self.base.manifest
+            lengths = [DeltaFile(f.name, f.lengths) for f in self.files]
+            blocks = BlockDigests(self.digest, BLOCK_BYTES, self.digests)
+            delta = Delta(base.version, self.base.manifest_sha256, self.path.name, lengths)
+            return delta, FileEntry(self.path.name, self.size, blocks=blocks)
+        except OSError as exc:
+            self.drop(f"cannot write {self.path.name}: {exc}")
+            return None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close every file; remove the delta file unless it was finished whole. Call once
+        the pipelines that feed it are done."""
+        for frames in self.files:
+            if frames.fd >= 0:
+                os.close(frames.fd)
+                frames.fd = -1
+        with self.lock:
+            if self._out is not None:
+                self._out.close()
+                self._out = None
+                if not self._finished:
+                    self.path.unlink(missing_ok=True)
+
+    def drop(self, reason: str, planned: bool = False) -> None:
+        """No delta for this version, because of ``reason`` (logged once); frames that come
+        after are ignored."""
+        with self.lock:
+            self._drop(reason, planned)
+
+    def _drop(self, reason: str, planned: bool = False) -> None:
+        if self.reason:
+            return
+        self.reason = reason
+        (log.info if planned else log.warning)(
+            "no delta", base=self.base.manifest.version, reason=reason
+        )
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+            self.path.unlink(missing_ok=True)
+
+    def put(self, frames: FileFrames, first: int, encoded: list[bytes]) -> None:
+        """The frames of blocks ``first, first + 1, ...`` of ``frames``' file: written now if
+        every earlier frame is, else kept until they are."""
+        with self.lock:
+            if self.reason or self._out is None:
+                return
+            frames.waiting[first] = encoded
+            while frames.next_block in frames.waiting:
+                for frame in frames.waiting.pop(frames.next_block):
+                    self._write(frame)
+                    frames.lengths.append(len(frame))
+                    frames.next_block += 1
+
+    def _write(self, frame: bytes) -> None:
+        assert self._out is not None
+        self._out.write(frame)
+        self.size += len(frame)
+        view = memoryview(frame)
+        while view:
+            take = min(len(view), BLOCK_BYTES - self._hashed)
+            self._hasher.update(view[:take])
+            self._hashed += take
+            view = view[take:]
+            if self._hashed == BLOCK_BYTES:
+                self.digests.append(self._hasher.hexdigest())
+                self._hasher = new_hasher(self.digest)
+                self._hashed = 0
 
 
-def _read_into(path: Path, start: int, buffer: np.ndarray) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if os.preadv(fd, [memoryview(buffer)], start) != buffer.size:
-            raise OSError(f"{path}: shorter than its manifest says")
-    finally:
-        os.close(fd)
+class FileFrames:
+    """One weights file's frames: what its pipeline calls for each digested buffer."""
+
+    def __init__(
+        self,
+        sink: DeltaSink,
+        name: str,
+        size: int,
+        blocks: BlockDigests,
+        base: BlockDigests,
+        fd: int,
+    ) -> None:
+        self.sink, self.name, self.size = sink, name, size
+        self.blocks, self.base, self.fd = blocks, base, fd
+        self.count = len(base.digests)
+        self.next_block = 0
+        """The first block whose frame is not written yet."""
+        self.lengths: list[int] = []
+        self.waiting: dict[int, list[bytes]] = {}
+        """Frames of later buffers, by their first block, until the earlier ones are written."""
+
+    def hashed(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
+        """Encode ``blocks`` (their bytes: ``data``, from file offset ``offset``; their new
+        digests in ``digests``) and hand their frames on. Never raises: an error drops the
+        delta."""
+        if self.sink.reason:
+            return
+        try:
+            encoded = []
+            for index in blocks:
+                start, stop = self.blocks.span(index, self.size)
+                encoded.append(
+                    self._frame(index, data[start - offset : stop - offset], digests[index])
+                )
+            self.sink.put(self, blocks.start, encoded)
+        except Exception as exc:  # a delta never fails the publish
+            self.sink.drop(f"{self.name}: {exc}")
+
+    def _frame(self, index: int, new: memoryview, digest: str) -> bytes:
+        """Block ``index``'s frame: empty when its digest did not change (the base is not
+        read), else zstd of the XOR with the base's block, read into this thread's buffer."""
+        if digest == self.base.digests[index]:
+            return b""
+        if not hasattr(_local, "compressor"):
+            _local.compressor = compressor()
+            _local.buffer = np.empty(BLOCK_BYTES, np.uint8)
+        base = _local.buffer[: len(new)]
+        start = self.blocks.starts[index]
+        done = 0
+        while done < len(new):
+            n = os.preadv(self.fd, [base[done:]], start + done)
+            if n <= 0:
+                raise OSError(f"the base's {self.name} is shorter than its manifest says")
+            done += n
+        return encode_block(new, base, _local.compressor, out=base)

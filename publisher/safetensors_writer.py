@@ -19,6 +19,11 @@ independently and in parallel) and check every float tensor's bytes in it for Na
 infinity; a writer thread then writes it at its offset with ``O_DIRECT`` (ordinary writes on
 filesystems without it, such as tmpfs). Reading, hashing, checking and the disk overlap, every
 byte is touched once, and memory stays at the ring's size whatever the model's.
+
+A :class:`BufferSink` (the version's delta, :mod:`weightcast.publisher.delta_writer`) may take
+each buffer too: the hash thread hands it the buffer's bytes and digests after passing the
+buffer to the writer, so its work overlaps the disk write, and the buffer is free again once
+both are done with it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -56,6 +62,21 @@ _CHECK_BYTES = 1024 * 1024
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _METADATA = {"format": "pt"}
 assert BUFFER_BYTES % BLOCK_BYTES == 0 and BUFFER_BYTES % _ALIGN == 0
+
+
+class BufferSink(Protocol):
+    """What takes a file's buffers once their blocks are digested (the delta's encoder)."""
+
+    def hashed(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
+        """``data`` (file offset ``offset``) holds ``blocks`` whole, their new ``digests``
+        filled in; called from several threads, buffers in any order; must not raise."""
+
+
+class FileSinks(Protocol):
+    """Who gives a :class:`BufferSink` per file (the version's delta)."""
+
+    def file(self, name: str, size: int, blocks: BlockDigests) -> BufferSink | None:
+        """The sink of file ``name`` (``size`` bytes cut into ``blocks``), or None."""
 
 
 class SourceEnded(OSError):
@@ -119,10 +140,15 @@ def piece_bytes(piece: Piece) -> int:
 
 
 def write_safetensors(
-    path: Path, tensors: Sequence[OutputTensor], digest: str, name: str | None = None
+    path: Path,
+    tensors: Sequence[OutputTensor],
+    digest: str,
+    name: str | None = None,
+    sinks: FileSinks | None = None,
 ) -> FileEntry:
     """Write ``tensors`` to a new file at ``path``, fsync it; its manifest entry (``name``,
-    default the file's name). Raises :class:`NonFiniteTensor` for a NaN or infinity."""
+    default the file's name), each of its buffers also handed to ``sinks``' sink for it.
+    Raises :class:`NonFiniteTensor` for a NaN or infinity."""
     ordered = {t.name: t for t in tensors}
     order = [ordered[n] for n, _ in file_order((t.name, t.dtype) for t in tensors)]
     for t in order:
@@ -140,7 +166,9 @@ def write_safetensors(
     lengths = block_lengths(at, readers)
     fd, direct = _open_output(path)
     try:
-        with _Pipeline(at, spans, digest, fd, direct, lengths) as pipeline:
+        with _Pipeline(
+            at, spans, digest, fd, direct, lengths, sinks, name or path.name
+        ) as pipeline:
             pipeline.append(memoryview(header))
             for t in order:
                 for piece in t.pieces:
@@ -188,10 +216,17 @@ def block_lengths(size: int, readers: Sequence[tuple[int, int, object]]) -> list
     return None if lengths == fixed else lengths
 
 
-def digest_file(path: Path, spans: Sequence[TensorSpan], digest: str, name: str) -> FileEntry:
-    """The manifest entry of an existing file (one read), its float ``spans`` checked."""
+def digest_file(
+    path: Path,
+    spans: Sequence[TensorSpan],
+    digest: str,
+    name: str,
+    sinks: FileSinks | None = None,
+) -> FileEntry:
+    """The manifest entry of an existing file (one read), its float ``spans`` checked, its
+    buffers handed to ``sinks``' sink for it."""
     size = os.path.getsize(path)
-    with _Pipeline(size, spans, digest, None, False) as pipeline:
+    with _Pipeline(size, spans, digest, None, False, None, sinks, name) as pipeline:
         pipeline.copy(FileRange(path, 0, size))
     return FileEntry(name, size, blocks=pipeline.digests)
 
@@ -221,7 +256,8 @@ _FICLONE = 0x40049409
 
 
 class _Pipeline:
-    """Fill here; hash and check in ``HASH_THREADS`` threads; write in one more."""
+    """Fill here; hash and check in ``HASH_THREADS`` threads (then hand to the file's
+    sink, if any); write in one more."""
 
     def __init__(
         self,
@@ -231,6 +267,8 @@ class _Pipeline:
         fd: int | None,
         direct: bool,
         lengths: list[int] | None = None,
+        sinks: FileSinks | None = None,
+        name: str = "",
     ) -> None:
         self.size = size
         self.algorithm = digest
@@ -245,6 +283,11 @@ class _Pipeline:
         self.block_digests: list[str] = [""] * count
         self.blocks = BlockDigests(digest, BLOCK_BYTES, self.block_digests, lengths)
         """Where each block is (its digests are filled in as buffers are hashed)."""
+        self.sink = sinks.file(name, size, self.blocks) if sinks is not None else None
+        self.holders = 1 if self.sink is None else 2
+        """Who must be done with a buffer before it is refilled: the writer, and the sink."""
+        self.done = [0] * BUFFERS
+        self.done_lock = threading.Lock()
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
         self.to_hash: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
@@ -379,6 +422,29 @@ class _Pipeline:
             except BaseException as exc:  # handed to the filling thread
                 self.error = exc
             self.to_write.put(item)
+            if self.sink is not None:
+                self._to_sink(index, offset, n)
+
+    def _to_sink(self, index: int, offset: int, n: int) -> None:
+        """Hand the digested buffer to the sink while the writer writes it."""
+        assert self.sink is not None
+        try:
+            if self.error is None:
+                with memoryview(self.buffers[index]) as view, view[:n] as data:
+                    blocks = self.blocks.block_range(offset, offset + n)
+                    self.sink.hashed(offset, data, blocks, self.block_digests)
+        finally:
+            self._release(index)
+
+    def _release(self, index: int) -> None:
+        """One holder is done with buffer ``index``; the last one frees it."""
+        with self.done_lock:
+            self.done[index] += 1
+            last = self.done[index] == self.holders
+            if last:
+                self.done[index] = 0
+        if last:
+            self.free.put(index)
 
     def _digest(self, index: int, offset: int, n: int) -> None:
         view = memoryview(self.buffers[index])
@@ -411,7 +477,7 @@ class _Pipeline:
                     self._write(memoryview(self.buffers[index]), offset, n)
             except BaseException as exc:  # handed to the filling thread
                 self.error = exc
-            self.free.put(index)
+            self._release(index)
 
     def _write(self, view: memoryview, offset: int, n: int) -> None:
         assert self.fd is not None

@@ -1,0 +1,278 @@
+"""The delta as the publisher writes it, inside its writer's pipeline: two real snapshots
+published by the real converter give, block by block, an empty frame where the block did not
+change and zstd of the XOR of the two versions' bytes where it did (one fused file, per-rank
+files, blocks cut between ranks, a file linked from the snapshot), which a node holding the
+first version applies to end bitwise equal to reading the second in full. A base with
+another plan gives no delta; a base file that is short or gone gives a version without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from weightcast.client.reader import VersionReader
+from weightcast.contract.delta import decompressor, xor
+from weightcast.contract.layout import LAYOUT_HF
+from weightcast.contract.manifest import (
+    DEFAULT_DIGEST,
+    MANIFEST_NAME,
+    BlockDigests,
+    Manifest,
+    sha256_bytes,
+    verify_files,
+)
+from weightcast.contract.snapshot_format import read_complete
+from weightcast.contract.tensorfile import TensorSpan, read_header
+from weightcast.contract.version_info import VersionInfo
+from weightcast.publisher.converter import ConvertOptions, Published, convert
+from weightcast.publisher.delta_writer import DeltaSink, FileFrames, find_base
+from weightcast.publisher.safetensors_writer import BUFFER_BYTES, digest_file
+from weightcast.publisher.snapshot_scan import Snapshot
+
+from helpers import hf_state, shape_of, write_snapshot
+
+# Embeddings of 16 MiB each: whole 4 MiB blocks inside them stay unchanged (per rank too).
+SHAPE = dataclasses.replace(
+    shape_of(8, 8, 32, hidden=256, inter=1024, tied=False), vocab_size=32768
+)
+KEPT = "model.embed_tokens.weight"
+"""The tensor that does not change between the two snapshots: its blocks get empty frames."""
+
+
+def nudge(state: dict[str, torch.Tensor]) -> None:
+    """Move one bf16 value in 37 of every tensor but :data:`KEPT` to its neighbour."""
+    for name, tensor in state.items():
+        if name != KEPT:
+            tensor.view(-1).view(torch.int16)[::37] += 1
+
+
+def snapshots(tmp_path: Path) -> tuple[Snapshot, Snapshot]:
+    state = hf_state(SHAPE, torch.bfloat16)
+    first = write_snapshot(tmp_path / "checkpoints", 1, SHAPE, state)
+    nudge(state)
+    second = write_snapshot(tmp_path / "checkpoints", 2, SHAPE, state)
+    return Snapshot(first, read_complete(first)), Snapshot(second, read_complete(second))
+
+
+def info(published: Published) -> VersionInfo:
+    """The registry entry the daemon would write for ``published``."""
+    text = (published.path / MANIFEST_NAME).read_bytes()
+    m = published.manifest
+    return VersionInfo(
+        m.version, published.path.name, m.step, m.layout, m.tp, m.dtype, m.total_bytes,
+        sha256_bytes(text), m.run_id, time.time(),
+    )  # fmt: skip
+
+
+def read(reader: VersionReader, version: Published, rank: int, tp: int) -> dict[str, torch.Tensor]:
+    """What a node reads of ``version``: its rank's part, or every tensor of an HF layout."""
+    if version.manifest.layout == LAYOUT_HF:
+        return reader.load(info(version))
+    return reader.rank_tensors(info(version), rank, tp)
+
+
+def blocks_of(path: Path, blocks: BlockDigests, size: int) -> list[bytes]:
+    data = path.read_bytes()
+    assert len(data) == size
+    return [data[slice(*blocks.span(i, size))] for i in range(len(blocks.digests))]
+
+
+OPTIONS = {
+    "one fused file": ConvertOptions(),
+    "blocks cut between 2 ranks": ConvertOptions(tp=2),
+    "per-rank files at tp 2": ConvertOptions(tp=2, per_rank_files=True),
+    "a file linked from the snapshot": ConvertOptions(layout=LAYOUT_HF),
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+def test_every_frame_is_the_xor_of_the_two_versions_block(
+    tmp_path: Path, options: ConvertOptions
+) -> None:
+    first, second = snapshots(tmp_path)
+    weights = tmp_path / "weights"
+    v1 = convert(first, weights, 1, options)
+    assert v1.manifest.delta is None  # no base yet
+    v2 = convert(second, weights, 2, options)
+    verify_files(v2.path, v2.manifest)  # the delta file's own block digests included
+    if options.layout == LAYOUT_HF:
+        assert v1.linked == v2.linked == 1  # the delta came through the linked file's read
+    delta = v2.manifest.delta
+    assert delta is not None and delta.base_version == 1
+    assert delta.base_manifest_sha256 == v1.manifest_sha256
+    weights_files = sorted({t.file for t in v2.manifest.tensors})
+    assert sorted(f.name for f in delta.files) == weights_files
+    assert len(weights_files) == (2 if options.per_rank_files else 1)
+    stream = (v2.path / delta.file).read_bytes()
+    assert len(stream) == delta.bytes
+    new_entries = {f.name: f for f in v2.manifest.files}
+    old_entries = {f.name: f for f in v1.manifest.files}
+    kept = changed = 0
+    for name in weights_files:
+        new, old = new_entries[name], old_entries[name]
+        assert new.blocks is not None and old.blocks is not None
+        new_blocks = blocks_of(v2.path / name, new.blocks, new.bytes)
+        old_blocks = blocks_of(v1.path / name, old.blocks, old.bytes)
+        for i, (offset, length) in enumerate(delta.frames(name)):
+            if new.blocks.digests[i] == old.blocks.digests[i]:
+                assert length == 0, (name, i)
+                kept += 1
+                continue
+            change = decompressor().decompress(stream[offset : offset + length])
+            assert change == xor(new_blocks[i], old_blocks[i]).tobytes(), (name, i)
+            changed += 1
+    assert kept and changed  # blocks inside the unchanged embedding, and the rest
+
+    for rank in range(options.tp):  # each rank's node holds v1's part, then reads v2's
+        holder = VersionReader(weights, keep_base=True)
+        read(holder, v1, rank, options.tp)
+        by_delta = read(holder, v2, rank, options.tp)
+        assert holder.stats.via == "delta", holder.stats.reason
+        full = read(VersionReader(weights), v2, rank, options.tp)
+        assert by_delta.keys() == full.keys()
+        assert all(torch.equal(by_delta[k], full[k]) for k in full)
+
+
+def no_delta_reason(caplog: pytest.LogCaptureFixture) -> str:
+    reasons = [
+        r.wc_fields["reason"]  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.getMessage() == "no delta"
+    ]
+    assert len(reasons) == 1, reasons
+    return reasons[0]
+
+
+def test_a_base_with_other_tensors_gives_no_delta_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = snapshots(tmp_path)
+    convert(first, tmp_path / "weights", 1, ConvertOptions(tp=2))
+    with caplog.at_level(logging.INFO, "weightcast.publisher"):
+        v2 = convert(second, tmp_path / "weights", 2, ConvertOptions(tp=1))
+    assert v2.manifest.delta is None
+    assert no_delta_reason(caplog) == "the base has other tensors (names, shapes, dtypes or shards)"
+    assert sorted(p.name for p in v2.path.iterdir() if p.name.startswith("delta")) == []
+
+
+def test_a_base_file_with_other_digests_gives_no_delta_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Same tensors and blocks, another digest algorithm: found when the file is planned."""
+    first, second = snapshots(tmp_path)
+    convert(first, tmp_path / "weights", 1, ConvertOptions(digest="blake3"))
+    with caplog.at_level(logging.INFO, "weightcast.publisher"):
+        v2 = convert(second, tmp_path / "weights", 2, ConvertOptions())
+    assert v2.manifest.delta is None
+    assert no_delta_reason(caplog) == "model.vllm-fused has blake3 digests in the base"
+    verify_files(v2.path, v2.manifest)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "deleted"])
+def test_a_base_file_short_or_gone_gives_a_version_without_a_delta(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    first, second = snapshots(tmp_path)
+    v1 = convert(first, tmp_path / "weights", 1)
+    base_file = v1.path / "model.vllm-fused"
+    if damage == "truncated":
+        os.truncate(base_file, base_file.stat().st_size - 4096)
+    else:
+        base_file.unlink()
+    with caplog.at_level(logging.INFO, "weightcast.publisher"):
+        v2 = convert(second, tmp_path / "weights", 2)
+    assert v2.manifest.delta is None
+    assert "model.vllm-fused" in no_delta_reason(caplog)
+    assert not list(v2.path.glob("delta-*"))
+    verify_files(v2.path, v2.manifest)
+
+
+class Opened:
+    """The file sink a test opened itself (so it can damage the base in between)."""
+
+    def __init__(self, frames: FileFrames | None) -> None:
+        self.frames = frames
+
+    def file(self, name: str, size: int, blocks: BlockDigests) -> FileFrames | None:
+        return self.frames
+
+
+def sink_for(tmp_path: Path, v1: Published, v2: Path) -> DeltaSink:
+    base = find_base(tmp_path / "weights", 2)
+    assert base is not None and base.path == v1.path
+    names = ["model.vllm-fused"]
+    return DeltaSink(v2, base, v1.manifest.tensors, names, DEFAULT_DIGEST)
+
+
+def spans_of(path: Path) -> list[TensorSpan]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return list(read_header(fd, str(path)).tensors)
+    finally:
+        os.close(fd)
+
+
+def test_a_base_file_truncated_while_the_version_is_written_drops_only_the_delta(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pipeline's threads meet the short base mid-file: the file's digests are still
+    right and the pipeline ends; the delta is dropped, its file removed."""
+    first, second = snapshots(tmp_path)
+    v1 = convert(first, tmp_path / "weights", 1)
+    v2 = convert(second, tmp_path / "weights", 2, ConvertOptions(delta=False))
+    name = "model.vllm-fused"
+    entry = next(f for f in v2.manifest.files if f.name == name)
+    out = tmp_path / "out"
+    out.mkdir()
+    sink = sink_for(tmp_path, v1, out)
+    assert entry.blocks is not None
+    frames = sink.file(name, entry.bytes, entry.blocks)
+    assert frames is not None
+    os.truncate(v1.path / name, BUFFER_BYTES)  # the first buffer's blocks are still there
+    with caplog.at_level(logging.INFO, "weightcast.publisher"):
+        digested = digest_file(
+            v2.path / name, spans_of(v2.path / name), DEFAULT_DIGEST, name, Opened(frames)
+        )
+        assert sink.finish() is None
+    assert digested == entry
+    assert no_delta_reason(caplog) == f"{name}: the base's {name} is shorter than its manifest says"
+    assert list(out.iterdir()) == []
+
+
+def test_frames_fed_out_of_order_are_written_in_block_order(tmp_path: Path) -> None:
+    """Buffers reach the delta in any order (several hash threads); the file is in order."""
+    first, second = snapshots(tmp_path)
+    v1 = convert(first, tmp_path / "weights", 1)
+    v2 = convert(second, tmp_path / "weights", 2)
+    assert v2.manifest.delta is not None
+    name = "model.vllm-fused"
+    entry = next(f for f in v2.manifest.files if f.name == name)
+    assert entry.blocks is not None
+    out = tmp_path / "out"
+    out.mkdir()
+    sink = sink_for(tmp_path, v1, out)
+    frames = sink.file(name, entry.bytes, entry.blocks)
+    assert frames is not None
+    data = memoryview((v2.path / name).read_bytes())
+    buffers = range(0, entry.bytes, BUFFER_BYTES)
+    assert len(buffers) >= 2
+    for offset in reversed(buffers):
+        stop = min(offset + BUFFER_BYTES, entry.bytes)
+        blocks = entry.blocks.block_range(offset, stop)
+        frames.hashed(offset, data[offset:stop], blocks, entry.blocks.digests)
+    finished = sink.finish()
+    assert finished is not None
+    delta, delta_entry = finished
+    assert delta == dataclasses.replace(v2.manifest.delta, files=delta.files)
+    assert delta.files == v2.manifest.delta.files
+    written = (out / delta.file).read_bytes()
+    assert written == (v2.path / delta.file).read_bytes()
+    assert delta_entry == next(f for f in v2.manifest.files if f.name == delta.file)
+    assert Manifest.read(v2.path).delta == delta
