@@ -42,6 +42,7 @@ from weightcast.publisher.converter import (
     convert,
     version_dir_name,
 )
+from weightcast.publisher.delta_writer import warm_base
 from weightcast.publisher.eviction import Evictor
 from weightcast.publisher.leader import LeaderLock
 from weightcast.publisher.metrics import PublisherMetrics
@@ -97,6 +98,8 @@ class Publisher:
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
         self.stopping = threading.Event()
+        self.warming: threading.Thread | None = None
+        """The read of the last version back into the page cache (the next delta's base)."""
         self.outage = Outage(budget=config.common.redis_retry_seconds, cap=cfg.retry_max_seconds)
         self.disk = Backoff(cap=cfg.retry_max_seconds)
         """The back-off of a failing disk (full, read-only), retried without end."""
@@ -249,6 +252,10 @@ class Publisher:
             return
         seconds = time.perf_counter() - start
         manifest = published.manifest
+        if self.options.delta:  # the next version's delta reads this one from memory
+            weights = sorted({t.file for t in manifest.tensors})
+            size = sum(f.bytes for f in manifest.files if f.name in weights)
+            self.warming = warm_base(published.path, weights, size, self.stopping)
         self.metrics.publish_seconds.observe(seconds)
         self.metrics.lag_seconds.observe(lag)
         self.metrics.bytes.inc(manifest.total_bytes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,3 +314,62 @@ class FileFrames:
                 raise OSError(f"the base's {self.name} is shorter than its manifest says")
             done += n
         return encode_block(new, base, _local.compressor, out=base)
+
+
+WARM_CHUNK = 16 * 1024 * 1024
+"""Bytes read at a time by :func:`warm_base` (one reused buffer)."""
+
+
+def warm_base(
+    directory: Path, names: Sequence[str], nbytes: int, stop: threading.Event
+) -> threading.Thread | None:
+    """Read the weights files ``names`` (``nbytes`` in all) of the version just published
+    back into the page cache in a background thread (``stop`` ends it early), and return
+    the thread; None when they would take more than half the memory available (they would
+    only push other pages, and each other, out of the cache).
+
+    The writer writes with ``O_DIRECT``, so a version is on the disk only, and the next
+    publish would read every changed block of its base from the disk it is writing to,
+    inside its pipeline. Read here, between publishes, the base is in memory when the next
+    version is encoded. (``posix_fadvise(WILLNEED)`` would be the cheaper ask, but the
+    kernel may read only a few MiB ahead for it.) A version evicted meanwhile ends the read.
+    """
+
+    available = _available_memory()
+    if nbytes > available // 2:
+        log.info("base not warmed", path=str(directory), bytes=nbytes, available=available)
+        return None
+
+    def read() -> None:
+        buffer = bytearray(WARM_CHUNK)
+        started = time.perf_counter()
+        total = 0
+        for name in names:
+            try:
+                fd = os.open(directory / name, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                return
+            try:
+                offset = 0
+                while not stop.is_set() and (n := os.preadv(fd, [buffer], offset)) > 0:
+                    offset += n
+                total += offset
+            except OSError:
+                return
+            finally:
+                os.close(fd)
+        seconds = round(time.perf_counter() - started, 3)
+        log.debug("base warmed", path=str(directory), bytes=total, seconds=seconds)
+
+    thread = threading.Thread(target=read, name="weightcast-warm-base", daemon=True)
+    thread.start()
+    return thread
+
+
+def _available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes (0 where there is none)."""
+    try:
+        found = re.search(r"^MemAvailable:\s+([0-9]+) kB$", Path("/proc/meminfo").read_text(), re.M)
+    except OSError:
+        return 0
+    return int(found.group(1)) * 1024 if found else 0

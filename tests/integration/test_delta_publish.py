@@ -15,10 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from weightcast.client.reader import VersionReader
 from weightcast.contract.delta import decompressor, xor
+from weightcast.contract.keys import Keys
 from weightcast.contract.layout import LAYOUT_HF
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
@@ -31,12 +33,13 @@ from weightcast.contract.manifest import (
 from weightcast.contract.snapshot_format import read_complete
 from weightcast.contract.tensorfile import TensorSpan, read_header
 from weightcast.contract.version_info import VersionInfo
+from weightcast.local.redis_server import RedisServer
 from weightcast.publisher.converter import ConvertOptions, Published, convert
 from weightcast.publisher.delta_writer import DeltaSink, FileFrames, find_base
 from weightcast.publisher.safetensors_writer import BUFFER_BYTES, digest_file
 from weightcast.publisher.snapshot_scan import Snapshot
 
-from helpers import hf_state, shape_of, write_snapshot
+from helpers import Deployment, hf_state, shape_of, write_snapshot
 
 # Embeddings of 16 MiB each: whole 4 MiB blocks inside them stay unchanged (per rank too).
 SHAPE = dataclasses.replace(
@@ -276,3 +279,44 @@ def test_frames_fed_out_of_order_are_written_in_block_order(tmp_path: Path) -> N
     assert written == (v2.path / delta.file).read_bytes()
     assert delta_entry == next(f for f in v2.manifest.files if f.name == delta.file)
     assert Manifest.read(v2.path).delta == delta
+
+
+def cached_bytes(path: Path) -> int:
+    """How many of ``path``'s first bytes are in the page cache (a read that may not wait
+    for the disk: ``RWF_NOWAIT``)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at, size = 0, os.fstat(fd).st_size
+        buffer = bytearray(1024 * 1024)
+        while at < size:
+            try:
+                n = os.preadv(fd, [buffer], at, os.RWF_NOWAIT)
+            except BlockingIOError:
+                break
+            if n <= 0:
+                break
+            at += n
+        return at
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("delta", [True, False])
+def test_with_deltas_on_each_version_is_read_back_into_the_page_cache_as_the_next_base(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer, delta: bool
+) -> None:
+    """The writer writes with O_DIRECT (the version is on the disk only); with deltas on,
+    the publisher then reads it into the page cache in the background, so the next
+    version's delta reads its base from memory. Without deltas it does not."""
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, shape=SHAPE)
+    publisher = deployment.publisher
+    publisher.options = dataclasses.replace(publisher.options, delta=delta)
+    version = deployment.publish()
+    weights = tmp_path / "weights" / f"v{version}" / "model.vllm-fused"
+    if delta:
+        assert publisher.warming is not None
+        publisher.warming.join(timeout=120)
+        assert cached_bytes(weights) == weights.stat().st_size
+    else:
+        assert publisher.warming is None
+        assert cached_bytes(weights) < weights.stat().st_size
