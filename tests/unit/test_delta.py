@@ -61,13 +61,14 @@ def test_xor_is_its_own_inverse_and_needs_equal_lengths() -> None:
         xor(a, b[:63])
 
 
-def test_a_damaged_frame_or_a_base_of_another_size_is_refused() -> None:
+def test_a_cut_frame_or_a_base_of_another_size_is_refused() -> None:
+    """Frames carry no zstd checksum (the block digests check the result, see
+    test_delta_reads): a damaged byte may decode to other bytes, a cut frame does not."""
     base = os.urandom(4096)
-    frame = bytearray(encode_block(nearby(base, 5), base, compressor()))
-    frame[len(frame) // 2] ^= 0xFF
+    frame = encode_block(nearby(base, 5), base, compressor())
     held = block(base)
     with pytest.raises(DeltaError, match="does not decode"):
-        apply_block(bytes(frame), held, decompressor(), in_place=True)
+        apply_block(frame[:-3], held, decompressor(), in_place=True)
     assert held.tobytes() == base  # refused before anything was written
     good = encode_block(nearby(base, 5), base, compressor())
     with pytest.raises(DeltaError):
