@@ -16,14 +16,18 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 
 from weightcast.client import block_reads
+from weightcast.client import reader as reader_module
 from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
 from weightcast.client.verified import LOCK_NAME, NodeRecord, RecordKey
 from weightcast.contract.errors import ConfigError, WeightsError
+from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import DEFAULT_DIGEST
+from weightcast.local.redis_server import RedisServer
 
 from helpers import (
     REPO,
@@ -290,3 +294,37 @@ def test_only_the_newest_version_records_are_kept(deployment: Deployment, tmp_pa
         numbers.append(number)
     kept = sorted(p.name.split("-")[0] for p in record.directory.iterdir())
     assert kept == [f"v{numbers[1]}", f"v{numbers[2]}"]
+
+
+@pytest.mark.parametrize("keep_base", [False, True])
+def test_a_block_changed_after_the_header_was_verified_is_caught_when_read_again(
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    monkeypatch: pytest.MonkeyPatch,
+    keep_base: bool,
+) -> None:
+    """At tp 1 the header's block also holds the first tensor's first bytes, and it is read
+    twice: for the header, then with the tensors. Bytes that changed in between (a writer
+    racing the node) are hashed again, not trusted because the header's read verified them."""
+    deployment = Deployment(client, keys, tmp_path, redis_server.url)
+    number = deployment.publish()
+    weights = deployment.root / "weights" / f"v{number}" / "model.vllm-fused"
+    read_header = reader_module.read_header
+
+    def then_changed(f: OpenFile, check: block_reads.Check) -> dict:
+        spans = read_header(f, check)
+        first = min(span.start for span in spans.values())
+        with open(weights, "r+b") as out:
+            out.seek(first)
+            byte = out.read(1)
+            out.seek(first)
+            out.write(bytes([byte[0] ^ 0x01]))
+        return spans
+
+    monkeypatch.setattr(reader_module, "read_header", then_changed)
+    reader = deployment.reader()
+    reader.files.keep_base = keep_base
+    with pytest.raises(WeightsError, match="do not match the manifest's xxh3-128 digest"):
+        reader.load(number)
