@@ -68,15 +68,14 @@ class HeldFile:
         """(file offset, writable bytes) of each run of consecutive held blocks, in order:
         where a full read puts what it reads."""
         runs: list[tuple[int, memoryview]] = []
-        first = previous = -2
-        for index in [*sorted(self.offsets), -2]:
-            if index != previous + 1:
-                if first >= 0:
-                    lo, hi = self.offsets[first], self.offsets[previous]
-                    size = hi - lo + self.starts[previous + 1] - self.starts[previous]
-                    runs.append((self.starts[first], tensor_bytes(self.data[lo : lo + size])))
-                first = index
-            previous = index
+        indices = sorted(self.offsets)
+        for at, index in enumerate(indices):
+            if at == 0 or indices[at - 1] != index - 1:
+                first = index  # a run starts here
+            if at + 1 == len(indices) or indices[at + 1] != index + 1:  # and ends here
+                start, stop = self.starts[first], self.starts[index + 1]
+                lo = self.offsets[first]
+                runs.append((start, tensor_bytes(self.data[lo : lo + stop - start])))
         return runs
 
     def span(self, start: int, stop: int) -> torch.Tensor | None:

@@ -408,6 +408,7 @@ def _held_tensors(held: HeldFile, parts: Sequence[_Part], label: str) -> dict[st
     with them: the next delta read updates it in place), copies of column blocks; a
     :class:`DeltaError` if a byte they need is not held."""
     outputs = {}
+    runs = held.runs() if any(p.rect.rows > 1 for p in parts) else []
     for p in parts:
         first, last = p.rect.extent
         if p.rect.rows == 1:
@@ -418,7 +419,7 @@ def _held_tensors(held: HeldFile, parts: Sequence[_Part], label: str) -> dict[st
             continue
         # On the CPU whatever the default device, as every read.
         out = torch.empty(p.shape, dtype=p.dtype, device="cpu")
-        for start, data in held.runs():
+        for start, data in runs:
             copy_rect(p.rect, start, data, out.view(-1).view(torch.uint8))
         outputs[p.name] = out
     return outputs
