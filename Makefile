@@ -31,7 +31,7 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python scripts/check_imports.py
+	$(BIN)/lint-imports --no-cache
 
 setup: $(VENV)/.installed
 	@./scripts/ensure-redis.sh

@@ -44,16 +44,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_node import registered, write_snapshot
 from bench_publisher import SHAPES
-
 from weightcast.client.producer import BatchProducer
 from weightcast.client.reader import VersionReader
 from weightcast.contract.keys import Keys
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
-from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshot_scan import Snapshot
-from weightcast.trainer.model import flavor_args
+from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.snapshot_scan import Snapshot
+from weightcast_trainer.model import flavor_args
 
 REPO = Path(__file__).resolve().parent.parent
 

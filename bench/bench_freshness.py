@@ -7,7 +7,7 @@ before it touches the model (:func:`weightcast.client.vllm.staging.stage`: lease
 version, verify and read its rank's part through ``WeightsClient.rank_tensors``, the node's
 workers sharing one verification record), then copying the part to ``--device``
 (synchronized) and reporting the version in ``{wc}:nodes``. Each round, in this process, the
-trainer's own :class:`~weightcast.trainer.snapshot_writer.SnapshotWriter` takes a snapshot of a
+trainer's own :class:`~weightcast_trainer.snapshot_writer.SnapshotWriter` takes a snapshot of a
 random bf16 Qwen3-shaped model (copy to host buffers, background DCP write in
 ``dcp-safetensors/1``, fsync, rename), as the training loop does, and the clock runs from
 ``SnapshotWriter.start`` to the last worker's report. Stages: ``snapshot`` (start -> the
@@ -144,8 +144,8 @@ def raw_write(model: Weights, path: Path) -> float:
 
 def bench_tp(tp: int, mode: str, model: Weights, args: argparse.Namespace, root: Path) -> dict:
     """``args.rounds`` rounds (after a warm-up) of one tp-``tp`` pipeline in ``mode``."""
-    import weightcast.trainer.snapshot_writer as snapshot_module
-    from weightcast.trainer.snapshot_writer import SnapshotWriter
+    import weightcast_trainer.snapshot_writer as snapshot_module
+    from weightcast_trainer.snapshot_writer import SnapshotWriter
 
     work = root / f"tp{tp}-{mode}"
     checkpoints, weights, record = work / "checkpoints", work / "weights", work / "verified"

@@ -55,8 +55,8 @@ from weightcast.client.reader import VersionReader
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo
 from weightcast.contract.version_info import VersionInfo
-from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshot_scan import Snapshot
+from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.snapshot_scan import Snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_publisher import SHAPES, write_template

@@ -161,7 +161,7 @@ def write_template(path: Path, s: dict, format: str) -> tuple[int, tuple[Snapsho
     path.mkdir(parents=True)
     files: tuple[SnapshotFile, ...] = ()
     if format == FORMAT_DCP_SAFETENSORS:
-        from weightcast.trainer.dcp_safetensors import write_file
+        from weightcast_trainer.dcp_safetensors import write_file
 
         offsets = {n: {"saved_offsets": [0] * t.dim()} for n, t in state.items()}
         name = data_file_name(0)
@@ -222,7 +222,7 @@ def stage_seconds(path: Path, digest: str) -> dict[str, float]:
     + scan pipeline (its threads, its ring, no write)."""
     from weightcast.contract.manifest import BLOCK_BYTES, new_hasher
     from weightcast.contract.tensorfile import NON_FINITE, read_header
-    from weightcast.publisher.safetensors_writer import (
+    from weightcast_publisher.safetensors_writer import (
         _CHECK_BYTES,
         BUFFER_BYTES,
         _non_finite,

@@ -28,10 +28,10 @@ from weightcast.client.producer import BatchProducer
 from weightcast.contract.snapshot_format import read_complete
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
-from weightcast.publisher.dcp_load import load_tensors
-from weightcast.publisher.snapshot_scan import Snapshot
-from weightcast.trainer.model import flavor_args
-from weightcast.trainer.resume import newest_checkpoint, read_model_weights
+from weightcast_publisher.dcp_load import load_tensors
+from weightcast_publisher.snapshot_scan import Snapshot
+from weightcast_trainer.model import flavor_args
+from weightcast_trainer.resume import newest_checkpoint, read_model_weights
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_trainer import run_trainer

@@ -35,7 +35,7 @@ import torch
 from weightcast.client.producer import BatchProducer
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
-from weightcast.trainer.model import flavor_args
+from weightcast_trainer.model import flavor_args
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -63,7 +63,6 @@ def drop_pages(directory: Path) -> None:
 
 def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
     from bench_publisher import cold_read
-
     from weightcast.client.vllm.backend import report
     from weightcast.client.vllm.driver import LocalEngine, swap
     from weightcast.client.weights import WeightsClient

@@ -2,14 +2,14 @@
 # bench/gpu.sh --out DIR [--dry]: the GPU machine's benchmarks, on that machine as it is
 # (Python 3.12, its own torch 2.11+cu130, no network, no .venv, no redis-server).
 #
-# It installs, into a private folder, what the machine lacks: weightcast itself (this tree,
-# laid out as the installed package: no build tool needed), the wheels that
+# It installs, into a private folder, what the machine lacks: weightcast itself (pip install of
+# this tree, built by the setuptools wheel in .whl/), the wheels that
 # bench/gpu-bundle.sh fetched into .whl/ (pip --no-index --target), and redis-server from
 # Debian's packages in .whl/ (dpkg -x). Then bench/gpu.py runs the steps, each with a time
 # limit, each step's JSON written into DIR as soon as that step ends.
 #
 # --dry: the same steps on tiny shapes and the CPU, with this checkout's .venv (or $PYTHON)
-# and the redis-server on PATH (nothing to install but weightcast's copy); a test runs it.
+# and the redis-server on PATH (nothing to install but weightcast itself); a test runs it.
 #
 #   bash bench/gpu-bundle.sh                          # here, once: fetch .whl/ (< 64 MiB)
 #   bash bench/gpu.sh --out bench-gpu                 # there, carrying .whl
@@ -34,14 +34,19 @@ OUT="$(cd "$OUT" && pwd)"
 PRIVATE="$(mktemp -d "${TMPDIR:-/tmp}/weightcast-gpu.XXXXXX")"
 trap 'rm -rf "$PRIVATE"' EXIT
 
-# weightcast: the package folders of pyproject.toml's package-dir, copied.
 mkdir -p "$PRIVATE/site" "$PRIVATE/bin"
-cp -r "$ROOT/shared" "$PRIVATE/site/weightcast"
-cp -r "$ROOT/trainer" "$PRIVATE/site/weightcast/trainer"
-cp -r "$ROOT/publisher" "$PRIVATE/site/weightcast/publisher"
+# weightcast, installed from this tree as a user installs it (its dependencies are there or in
+# .whl/). The build runs in a copy, so that this checkout gets no build/ or egg-info.
+install_weightcast() {
+    mkdir "$PRIVATE/src"
+    cp -r "$ROOT"/{pyproject.toml,README.md,shared,trainer,publisher} "$PRIVATE/src/"
+    "$PY" -m pip install -q --no-deps --no-compile --no-cache-dir --target "$PRIVATE/site" "$@" \
+        "$PRIVATE/src"
+}
 
 if [ -n "$DRY" ]; then
     PY="${PYTHON:-$ROOT/.venv/bin/python}"
+    install_weightcast
 else
     PY=python3
     if ! ls "$ROOT"/.whl/*.whl >/dev/null 2>&1 || ! ls "$ROOT"/.whl/*.deb >/dev/null 2>&1; then
@@ -50,7 +55,8 @@ else
     fi
     start=$(date +%s)
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$PRIVATE/site" "$ROOT"/.whl/*.whl
+        --target "$PRIVATE/site" $(ls "$ROOT"/.whl/*.whl | grep -v /setuptools-)
+    install_weightcast --no-index --find-links "$ROOT/.whl"
     for deb in "$ROOT"/.whl/*.deb; do
         dpkg -x "$deb" "$PRIVATE/redis"
     done
@@ -64,7 +70,12 @@ WRAPPER
     echo "installed in $(( $(date +%s) - start )) s"
 fi
 export PYTHONPATH="$PRIVATE/site${PYTHONPATH:+:$PYTHONPATH}"
-"$PY" -c "import sys, weightcast; sys.exit(0 if weightcast.__file__.startswith('$PRIVATE/') else 'weightcast imported from ' + weightcast.__file__)"
+"$PY" - "$PRIVATE/" <<'CHECK'
+import sys, weightcast, weightcast_publisher, weightcast_trainer
+for package in (weightcast, weightcast_trainer, weightcast_publisher):
+    if not package.__file__.startswith(sys.argv[1]):
+        sys.exit(f"{package.__name__} imported from {package.__file__}")
+CHECK
 redis-server --version
 status=0
 "$PY" "$ROOT/bench/gpu.py" --out "$OUT" ${DRY:+--dry} || status=$?

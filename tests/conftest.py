@@ -19,7 +19,7 @@ import redis
 
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
-from weightcast.trainer.device import use_cpu_without_accelerator
+from weightcast_trainer.device import use_cpu_without_accelerator
 
 from helpers import run_env
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from weightcast.contract.codec import RolloutBatch
-from weightcast.trainer.loss import LossResult, LossSettings, grpo_loss
+from weightcast_trainer.loss import LossResult, LossSettings, grpo_loss
 
 
 def _record(line: str) -> None:

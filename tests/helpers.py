@@ -56,10 +56,10 @@ from weightcast.contract.snapshot_format import (
     snapshot_name,
 )
 from weightcast.local.produce import synthetic_batch
-from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.settings import load_config
-from weightcast.trainer.dcp_safetensors import SafetensorsStorageWriter
-from weightcast.trainer.resume import (
+from weightcast_publisher.daemon import Publisher
+from weightcast_trainer.dcp_safetensors import SafetensorsStorageWriter
+from weightcast_trainer.resume import (
     TrainState,
     newest_checkpoint,
     read_model_weights,
@@ -480,8 +480,8 @@ def torchrun(nproc: int, *args: str) -> list[str]:
 def run_torchrun_trainer(
     env: dict[str, str], nproc: int, *args: str
 ) -> subprocess.CompletedProcess[str]:
-    """``torchrun --standalone --nproc_per_node <nproc> -m weightcast.trainer <args>``."""
-    command = torchrun(nproc, "-m", "weightcast.trainer", *args)
+    """``torchrun --standalone --nproc_per_node <nproc> -m weightcast_trainer <args>``."""
+    command = torchrun(nproc, "-m", "weightcast_trainer", *args)
     return subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
@@ -493,7 +493,7 @@ from pathlib import Path
 from safetensors.torch import load_file
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from weightcast.trainer.dcp_safetensors import SafetensorsStorageWriter
+from weightcast_trainer.dcp_safetensors import SafetensorsStorageWriter
 
 dist.init_process_group("gloo")
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))

@@ -13,7 +13,7 @@ import signal
 import torch
 
 from weightcast.contract.codec import RolloutBatch
-from weightcast.trainer.loss import LossResult, LossSettings, grpo_loss
+from weightcast_trainer.loss import LossResult, LossSettings, grpo_loss
 
 
 def loss(logits: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> LossResult:

@@ -14,7 +14,7 @@ from weightcast.local.produce import run_produce
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.retry import Outage
 from weightcast.runtime.settings import load_config
-from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
+from weightcast_trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 
 from helpers import push_batches, wait_for
 

@@ -32,10 +32,10 @@ from weightcast.contract.snapshot_format import (
     read_complete,
 )
 from weightcast.contract.tensorfile import read_header
-from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot
-from weightcast.publisher.sources import HeaderSource
-from weightcast.trainer.dcp_safetensors import write_file
+from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
+from weightcast_publisher.sources import HeaderSource
+from weightcast_trainer.dcp_safetensors import write_file
 
 from helpers import (
     FORMATS,

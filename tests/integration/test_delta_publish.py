@@ -34,10 +34,10 @@ from weightcast.contract.snapshot_format import read_complete
 from weightcast.contract.tensorfile import TensorSpan, read_header
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
-from weightcast.publisher.converter import ConvertOptions, Published, convert
-from weightcast.publisher.delta_writer import DeltaSink, FileFrames, find_base
-from weightcast.publisher.safetensors_writer import BUFFER_BYTES, digest_file
-from weightcast.publisher.snapshot_scan import Snapshot
+from weightcast_publisher.converter import ConvertOptions, Published, convert
+from weightcast_publisher.delta_writer import DeltaSink, FileFrames, find_base
+from weightcast_publisher.safetensors_writer import BUFFER_BYTES, digest_file
+from weightcast_publisher.snapshot_scan import Snapshot
 
 from helpers import Deployment, hf_state, shape_of, write_snapshot
 

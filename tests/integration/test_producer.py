@@ -16,7 +16,7 @@ from weightcast.contract.codec import BATCH_FIELD, META_FIELD, BatchLimits, Inva
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
-from weightcast.trainer.batch_source import BatchSource, SourceSettings
+from weightcast_trainer.batch_source import BatchSource, SourceSettings
 
 from helpers import wait_for
 

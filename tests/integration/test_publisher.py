@@ -22,11 +22,11 @@ from weightcast.contract.snapshot_format import (
 )
 from weightcast.contract.tensorfile import read_header
 from weightcast.local.redis_server import RedisServer
-from weightcast.publisher.daemon import Publisher
-from weightcast.publisher.registry import NOT_LEADER
-from weightcast.publisher.watcher import SnapshotWatcher
 from weightcast.runtime.net import free_port
 from weightcast.runtime.settings import load_config
+from weightcast_publisher.daemon import Publisher
+from weightcast_publisher.registry import NOT_LEADER
+from weightcast_publisher.watcher import SnapshotWatcher
 
 from helpers import (
     FORMATS,

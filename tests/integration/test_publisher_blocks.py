@@ -21,7 +21,7 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import BLOCK_BYTES, Manifest, digest_bytes
 from weightcast.local.redis_server import RedisServer
-from weightcast.publisher.safetensors_writer import BUFFER_BYTES
+from weightcast_publisher.safetensors_writer import BUFFER_BYTES
 
 from helpers import SMALL_GQA, Deployment, rank_byte_ranges, rank_part, shape_of, write_snapshot
 

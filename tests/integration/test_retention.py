@@ -13,13 +13,13 @@ import redis
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.nodes import NodeReport
 from weightcast.local.redis_server import RedisServer
-from weightcast.publisher.daemon import Publisher
-from weightcast.publisher.retention import (
+from weightcast.runtime.settings import load_config
+from weightcast_publisher.daemon import Publisher
+from weightcast_publisher.retention import (
     prune_nodes,
     prune_quarantine_records,
     prune_snapshot_records,
 )
-from weightcast.runtime.settings import load_config
 
 from helpers import shape_of, write_snapshot
 

@@ -16,10 +16,10 @@ from torch import nn
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, read_complete
-from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshot_scan import Snapshot, complete_snapshots
-from weightcast.trainer.dcp_safetensors import NonFiniteWeight
-from weightcast.trainer.snapshot_writer import SnapshotWriter
+from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.snapshot_scan import Snapshot, complete_snapshots
+from weightcast_trainer.dcp_safetensors import NonFiniteWeight
+from weightcast_trainer.snapshot_writer import SnapshotWriter
 
 from helpers import hf_config, hf_state, shape_of, tmpfs
 

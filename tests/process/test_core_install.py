@@ -94,14 +94,15 @@ def core_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return python
 
 
-def test_the_wheel_holds_one_weightcast_package_with_the_daemons(tmp_path: Path) -> None:
+def test_the_wheel_holds_the_three_packages_by_role(tmp_path: Path) -> None:
     wheel = zipfile.ZipFile(build_wheel(tmp_path))
     names = wheel.namelist()
-    assert "weightcast/trainer/worker.py" in names
-    assert "weightcast/publisher/daemon.py" in names
+    assert "weightcast_trainer/worker.py" in names
+    assert "weightcast_publisher/daemon.py" in names
     assert "weightcast/contract/keys.py" in names and "weightcast/py.typed" in names
     tops = {name.split("/")[0] for name in names if not name.startswith("weightcast-")}
-    assert tops == {"weightcast"}, f"the wheel installs other top-level names: {tops}"
+    expected = {"weightcast", "weightcast_trainer", "weightcast_publisher"}
+    assert tops == expected, f"the wheel installs other top-level names: {tops - expected}"
     metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
     requires = [
         line.split(":", 1)[1].strip()

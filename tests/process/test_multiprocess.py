@@ -1,4 +1,4 @@
-"""``torchrun -m weightcast.trainer`` with two CPU processes over gloo (torchtitan's FSDP)."""
+"""``torchrun -m weightcast_trainer`` with two CPU processes over gloo (torchtitan's FSDP)."""
 
 from __future__ import annotations
 

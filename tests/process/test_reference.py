@@ -19,9 +19,9 @@ from weightcast.contract.fusion import ModelShape, unfuse
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import Manifest
 from weightcast.contract.snapshot_format import SnapshotInfo
-from weightcast.publisher.dcp_load import load_tensors
-from weightcast.publisher.snapshot_scan import Snapshot
-from weightcast.trainer.model import TiedQwen3Model, flavor_args
+from weightcast_publisher.dcp_load import load_tensors
+from weightcast_publisher.snapshot_scan import Snapshot
+from weightcast_trainer.model import TiedQwen3Model, flavor_args
 
 from helpers import run_weightcast
 

@@ -165,8 +165,8 @@ def test_experts_that_do_not_split_over_the_fsdp_ranks_are_refused(
 def snapshot_tensors(snapshot: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a trainer snapshot, read as the publisher reads it."""
     from weightcast.contract.snapshot_format import read_complete
-    from weightcast.publisher.dcp_load import load_tensors
-    from weightcast.publisher.snapshot_scan import Snapshot
+    from weightcast_publisher.dcp_load import load_tensors
+    from weightcast_publisher.snapshot_scan import Snapshot
 
     return load_tensors(Snapshot(snapshot, read_complete(snapshot)))
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.streams import parse_stream_id
 from weightcast.runtime.net import free_port
-from weightcast.trainer.resume import newest_checkpoint, read_train_state
+from weightcast_trainer.resume import newest_checkpoint, read_train_state
 
 from helpers import (
     config_file,

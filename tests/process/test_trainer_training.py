@@ -12,12 +12,12 @@ import torch
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.keys import Keys
 from weightcast.contract.snapshot_format import read_complete
-from weightcast.publisher.dcp_load import load_tensors
-from weightcast.publisher.snapshot_scan import Snapshot
 from weightcast.runtime.settings import load_config
-from weightcast.trainer.job import build_job_config
-from weightcast.trainer.model import TRAIN_SPEC_NAME
-from weightcast.trainer.resume import resume_dir
+from weightcast_publisher.dcp_load import load_tensors
+from weightcast_publisher.snapshot_scan import Snapshot
+from weightcast_trainer.job import build_job_config
+from weightcast_trainer.model import TRAIN_SPEC_NAME
+from weightcast_trainer.resume import resume_dir
 
 from helpers import (
     REPO,

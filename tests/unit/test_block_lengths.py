@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from weightcast.contract.manifest import BLOCK_BYTES
-from weightcast.publisher.safetensors_writer import BUFFER_BYTES, block_lengths
+from weightcast_publisher.safetensors_writer import BUFFER_BYTES, block_lengths
 
 MIB = 1024 * 1024
 

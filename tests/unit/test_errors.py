@@ -12,8 +12,8 @@ from weightcast.contract.snapshot_format import IncompleteSnapshot
 from weightcast.contract.tensorfile import HeaderError
 from weightcast.local.redis_server import RedisServerError
 from weightcast.local.up import StackFailure
-from weightcast.publisher.daemon import NotLeader
-from weightcast.publisher.snapshot_scan import CorruptSnapshot
+from weightcast_publisher.daemon import NotLeader
+from weightcast_publisher.snapshot_scan import CorruptSnapshot
 
 
 @pytest.mark.parametrize(

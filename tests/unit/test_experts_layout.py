@@ -22,8 +22,8 @@ from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.sharding import Shard, ShardKind, rank_slice
 from weightcast.contract.snapshot_format import SnapshotInfo
-from weightcast.publisher.converter import ConvertOptions, convert, rank_rows
-from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot
+from weightcast_publisher.converter import ConvertOptions, convert, rank_rows
+from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
 from helpers import hf_config, hf_state, moe_shape, write_snapshot
 from vllm_reference import fused_moe_rank

@@ -10,8 +10,8 @@ import torch
 
 from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import TrainerConfig
-from weightcast.trainer.hf_start import expected_tensors, model_args_from_hf
-from weightcast.trainer.job import OWNED_BY_WEIGHTCAST, build_job_config
+from weightcast_trainer.hf_start import expected_tensors, model_args_from_hf
+from weightcast_trainer.job import OWNED_BY_WEIGHTCAST, build_job_config
 
 
 def qwen3_config(**over: Any) -> dict[str, Any]:
@@ -255,8 +255,8 @@ def test_the_expected_tensors_of_an_moe_are_hfs_per_expert_names() -> None:
 def test_the_moe_flavors_config_json_reads_back_as_the_same_model() -> None:
     """``hf_config`` of each MoE flavor (what snapshots carry) is a Qwen3-MoE config that
     ``--init-from`` maps back to that flavor's shape and router."""
-    from weightcast.trainer.hf_start import _shape_fields
-    from weightcast.trainer.model import flavors, hf_config
+    from weightcast_trainer.hf_start import _shape_fields
+    from weightcast_trainer.model import flavors, hf_config
 
     moe = {name: args for name, args in flavors().items() if args.moe_enabled}
     assert {"tiny-moe", "30B-A3B"} <= set(moe)

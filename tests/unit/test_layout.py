@@ -16,8 +16,8 @@ from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_config
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 from weightcast.contract.snapshot_format import SnapshotInfo
-from weightcast.publisher.converter import ConvertOptions, convert
-from weightcast.publisher.snapshot_scan import Snapshot
+from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.snapshot_scan import Snapshot
 
 from helpers import hf_config, hf_state, rank_part, shape_of, write_snapshot
 from vllm_reference import (

@@ -10,7 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from weightcast.contract.codec import MAX_ABS_ADVANTAGE, RolloutBatch
-from weightcast.trainer.loss import (
+from weightcast_trainer.loss import (
     KL_LIMIT,
     LossSettings,
     get_loss,
@@ -121,11 +121,11 @@ def test_entropy_is_the_mean_over_trained_tokens_of_the_next_token_distribution(
 
 
 def test_a_users_loss_is_loaded_by_dotted_path() -> None:
-    assert get_loss("weightcast.trainer.loss:sft_loss") is sft_loss
+    assert get_loss("weightcast_trainer.loss:sft_loss") is sft_loss
     for name, message in (
         ("no_such_module_xyz:fn", "cannot load loss"),
-        ("weightcast.trainer.loss:nothing", "cannot load loss"),
-        ("weightcast.trainer.loss:LOSSES", "is not callable"),
+        ("weightcast_trainer.loss:nothing", "cannot load loss"),
+        ("weightcast_trainer.loss:LOSSES", "is not callable"),
     ):
         with pytest.raises(ValueError, match=message):
             get_loss(name)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weightcast.trainer.model import (
+from weightcast_trainer.model import (
     TINY_MOE,
     IntegerHistc,
     TiedQwen3Model,

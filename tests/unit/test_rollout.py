@@ -22,7 +22,7 @@ from weightcast.local.rollout import (
     toy_reward,
 )
 from weightcast.runtime.config import RolloutConfig
-from weightcast.trainer.loss import token_logprobs
+from weightcast_trainer.loss import token_logprobs
 
 from helpers import (
     checkpoint_tensors,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from weightcast.trainer.step_plan import StepPlan, decide, local_view
+from weightcast_trainer.step_plan import StepPlan, decide, local_view
 
 
 def plans(buffers: list[list[int]], micro_batches: int) -> list[StepPlan]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from weightcast.trainer.resume import (
+from weightcast_trainer.resume import (
     STATE_KEY,
     TrainState,
     decode_ids,

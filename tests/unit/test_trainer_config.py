@@ -6,8 +6,8 @@ import pytest
 
 from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import MODELS, MOE_MODELS, TrainerConfig
-from weightcast.trainer.job import UNBOUNDED_STEPS, build_job_config
-from weightcast.trainer.model import TRAIN_SPEC_NAME, flavors, hf_config
+from weightcast_trainer.job import UNBOUNDED_STEPS, build_job_config
+from weightcast_trainer.model import TRAIN_SPEC_NAME, flavors, hf_config
 
 
 def test_weightcast_settings_and_overrides_reach_torchtitan() -> None:

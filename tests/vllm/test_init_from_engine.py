@@ -4,7 +4,7 @@ weightcast hands it, and the train/inference mismatch check tells a right load f
 The trainer side of the check is ``transformers``' fp32 ``Qwen3ForCausalLM`` of the same
 directory (torchtitan does not install beside vLLM; tests/process/test_reference shows the two
 agree to 1e-4 in fp32), scored with the trainer's own
-:func:`~weightcast.trainer.loss.logprob_mismatch` on the engine's log-probabilities of the
+:func:`~weightcast_trainer.loss.logprob_mismatch` on the engine's log-probabilities of the
 same tokens.
 """
 
@@ -18,7 +18,7 @@ import torch
 
 from weightcast.client.vllm.driver import swap
 from weightcast.contract.codec import RolloutBatch
-from weightcast.trainer.loss import logprob_mismatch
+from weightcast_trainer.loss import logprob_mismatch
 
 from helpers import checkpoint_tensors, save_pretrained_qwen3
 from vllm_helpers import Registry, backend_engine

@@ -27,8 +27,8 @@ from safetensors.torch import save_file
 from weightcast.client.vllm.driver import LocalEngine
 from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import Keys
-from weightcast.publisher.daemon import Publisher
 from weightcast.runtime.settings import load_config
+from weightcast_publisher.daemon import Publisher
 
 from helpers import write_snapshot
 

@@ -3,7 +3,7 @@
 Writing must not stall training: :meth:`SnapshotWriter.start` only copies the weights off
 the device into host buffers it allocates once and reuses, then a background thread writes
 them with DCP over a gloo group of its own, in the ``dcp-safetensors/1`` format
-(:mod:`weightcast.contract.snapshot_format`, :mod:`weightcast.trainer.dcp_safetensors`). At most
+(:mod:`weightcast.contract.snapshot_format`, :mod:`weightcast_trainer.dcp_safetensors`). At most
 one write is in flight; the training loop asks :meth:`busy` (agreed across ranks) and skips a
 publish rather than queue it.
 
@@ -49,7 +49,7 @@ from weightcast.contract.snapshot_format import (
     snapshot_name,
 )
 from weightcast.runtime.logs import get_logger
-from weightcast.trainer.dcp_safetensors import NonFiniteWeight, SafetensorsStorageWriter
+from weightcast_trainer.dcp_safetensors import NonFiniteWeight, SafetensorsStorageWriter
 
 log = get_logger(__name__)
 

@@ -1,4 +1,4 @@
-"""``python -m weightcast.trainer`` (and ``torchrun -m weightcast.trainer``) runs
+"""``python -m weightcast_trainer`` (and ``torchrun -m weightcast_trainer``) runs
 ``weightcast trainer``."""
 
 import sys

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from weightcast.trainer.resume import encode_ids
+from weightcast_trainer.resume import encode_ids
 
 
 def world_size() -> int:

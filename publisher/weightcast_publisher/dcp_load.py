@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from weightcast.contract.plan import ColumnRange, PlannedFile, Region
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS
 from weightcast.contract.tensorfile import TensorSpan, safetensors_dtype
-from weightcast.publisher.safetensors_writer import Piece
-from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot
+from weightcast_publisher.safetensors_writer import Piece
+from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
 
 class MemorySource:

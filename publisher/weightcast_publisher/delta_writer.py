@@ -1,6 +1,6 @@
 """The delta of a new version from the previous one, computed while the new version is written.
 
-Why here: the writer's pipeline (:mod:`weightcast.publisher.safetensors_writer`) holds each
+Why here: the writer's pipeline (:mod:`weightcast_publisher.safetensors_writer`) holds each
 16 MiB of the new version in its ring and digests its blocks; a block whose digest equals the
 base's same block is unchanged and gets an empty frame without any read, and a changed block
 is XORed there with the base's block (read from the base version, which the publisher wrote

@@ -40,7 +40,7 @@ from weightcast.contract.fusion import ModelShape
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import HeaderError, TensorSpan, read_header
 from weightcast.contract.untrusted import json_object
-from weightcast.trainer.model import Qwen3MoeModelArgs, TiedQwen3Model, qwen3_moe_router
+from weightcast_trainer.model import Qwen3MoeModelArgs, TiedQwen3Model, qwen3_moe_router
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -131,7 +131,7 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
 def _moe_fields(config: Mapping[str, Any], where: str, shape: ModelShape) -> dict[str, Any]:
     """torchtitan's MoE args of a Qwen3-MoE ``config.json`` whose MoE fields ``shape`` holds
     (:meth:`ModelShape.from_hf_config` reads and checks them), its router as
-    :func:`~weightcast.trainer.model.qwen3_moe_router` sets it.
+    :func:`~weightcast_trainer.model.qwen3_moe_router` sets it.
 
     The layers that are not sparse (``mlp_only_layers``, those ``decoder_sparse_step``
     skips) are dense (torchtitan's dense block, of ``intermediate_size``).

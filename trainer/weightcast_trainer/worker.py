@@ -41,10 +41,10 @@ from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.redis_client import REPLY_TIMEOUT_S, redis_client
 from weightcast.runtime.retry import Outage
-from weightcast.trainer import collectives
-from weightcast.trainer.batch_source import BatchSource, SourceSettings, StreamBatch
-from weightcast.trainer.hf_start import StartCheckpoint, load_start, start_config
-from weightcast.trainer.loss import (
+from weightcast_trainer import collectives
+from weightcast_trainer.batch_source import BatchSource, SourceSettings, StreamBatch
+from weightcast_trainer.hf_start import StartCheckpoint, load_start, start_config
+from weightcast_trainer.loss import (
     LossFn,
     LossSettings,
     Mismatch,
@@ -53,12 +53,12 @@ from weightcast.trainer.loss import (
     policy_entropy,
     trained_tokens,
 )
-from weightcast.trainer.model import START_FLAVOR, flavor_args, hf_config, register_train_spec
-from weightcast.trainer.resume import TrainState, resume_dir
-from weightcast.trainer.resume_checkpoints import ResumeCheckpoints, load_newest
-from weightcast.trainer.snapshot_writer import SnapshotWriter
-from weightcast.trainer.step_plan import StepPlan, decide, local_view
-from weightcast.trainer.telemetry import Telemetry
+from weightcast_trainer.model import START_FLAVOR, flavor_args, hf_config, register_train_spec
+from weightcast_trainer.resume import TrainState, resume_dir
+from weightcast_trainer.resume_checkpoints import ResumeCheckpoints, load_newest
+from weightcast_trainer.snapshot_writer import SnapshotWriter
+from weightcast_trainer.step_plan import StepPlan, decide, local_view
+from weightcast_trainer.telemetry import Telemetry
 
 log = get_logger("trainer")
 
@@ -91,7 +91,7 @@ class StepTotals:
     """Largest log-probability difference of those tokens; -1 when there were none."""
 
     def add_mismatch(self, kl: float, tokens: float, max_abs: float) -> None:
-        """One on-policy micro-batch's :class:`~weightcast.trainer.loss.Mismatch`, read."""
+        """One on-policy micro-batch's :class:`~weightcast_trainer.loss.Mismatch`, read."""
         self.mismatch_kl += kl
         self.mismatch_tokens += tokens
         self.mismatch_max = max(self.mismatch_max, max_abs)
@@ -167,8 +167,8 @@ class Trainer(ForgeEngine):
     def __init__(
         self, config: Config, job: ForgeJobConfig, start: StartCheckpoint | None = None
     ) -> None:
-        """``job`` is :func:`~weightcast.trainer.job.build_job_config`'s; ``start`` the
-        checked ``--init-from`` checkpoint (:func:`~weightcast.trainer.hf_start.inspect_start`)."""
+        """``job`` is :func:`~weightcast_trainer.job.build_job_config`'s; ``start`` the
+        checked ``--init-from`` checkpoint (:func:`~weightcast_trainer.hf_start.inspect_start`)."""
         self.cfg = config.trainer
         self.start = start
         self.loss = _load_loss(self.cfg.loss)
@@ -318,7 +318,7 @@ class Trainer(ForgeEngine):
 
         Every rank takes the same decisions: one all-reduce each round says whether to stop,
         whether an asynchronous resume checkpoint is still being written anywhere, and which
-        batches the next step trains on each rank (:mod:`weightcast.trainer.step_plan`).
+        batches the next step trains on each rank (:mod:`weightcast_trainer.step_plan`).
         """
         self._install_signal_handlers()
         steps = self.cfg.steps
@@ -444,7 +444,7 @@ class Trainer(ForgeEngine):
         """One optimizer step over this rank's micro-batches, in ``passes`` forward/backward
         passes (the ones beyond ``batches`` on no batch, with zero weight). For the batches
         ``on_policy`` marks, it also measures the train/inference mismatch
-        (:func:`~weightcast.trainer.loss.logprob_mismatch`) on the logits it computes anyway.
+        (:func:`~weightcast_trainer.loss.logprob_mismatch`) on the logits it computes anyway.
 
         Each micro-batch's loss (a mean over its trained tokens) is weighted by its share of
         the trained tokens of the whole step on all ranks, so the update is the one a single

@@ -118,8 +118,9 @@ class VllmPolicies:
 
     def _start_engine(self, version: int) -> None:
         """An engine of the version's model, with placeholder weights (loaded right after)."""
-        from vllm import LLM
         from vllm.config import WeightTransferConfig
+
+        from vllm import LLM
 
         with self.node.client.lease(version) as info:
             config = self.node.client.config(info)

@@ -20,7 +20,7 @@ infinity; a writer thread then writes it at its offset with ``O_DIRECT`` (ordina
 filesystems without it, such as tmpfs). Reading, hashing, checking and the disk overlap, every
 byte is touched once, and memory stays at the ring's size whatever the model's.
 
-A :class:`BufferSink` (the version's delta, :mod:`weightcast.publisher.delta_writer`) may take
+A :class:`BufferSink` (the version's delta, :mod:`weightcast_publisher.delta_writer`) may take
 each buffer too: the hash thread hands it the buffer's bytes and digests after passing the
 buffer to the writer, so its work overlaps the disk write, and the buffer is free again once
 both are done with it.

@@ -10,7 +10,7 @@ from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
 from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import TrainerConfig
-from weightcast.trainer.model import START_FLAVOR, TRAIN_SPEC_NAME
+from weightcast_trainer.model import START_FLAVOR, TRAIN_SPEC_NAME
 
 UNBOUNDED_STEPS = 10**9
 """The LR schedule's horizon when training runs until stopped."""

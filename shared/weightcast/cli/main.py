@@ -114,11 +114,11 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         )
         return run_up(config, options)
     if args.command == "trainer":
-        from weightcast.trainer.main import run_trainer
+        from weightcast_trainer.main import run_trainer
 
         return run_trainer(config)
     if args.command == "publisher":
-        from weightcast.publisher.daemon import run_publisher
+        from weightcast_publisher.daemon import run_publisher
 
         return run_publisher(config)
     if args.command == "produce":

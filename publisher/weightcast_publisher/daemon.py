@@ -11,7 +11,7 @@ without end, both with capped exponential back-off: nothing is registered meanwh
 files are removed, ``/healthz`` says 503.
 
 One publish, from the daemon to the registry: :meth:`Publisher.publish` calls
-:func:`~weightcast.publisher.converter.convert` (snapshot source -> layout plan -> writer ->
+:func:`~weightcast_publisher.converter.convert` (snapshot source -> layout plan -> writer ->
 ``v<N>/``), then :meth:`Publisher.register`. The registry records ``path`` relative to the
 weights directory (``v17``, ``v17/hf``), so every node resolves it against its own mount.
 """
@@ -35,30 +35,30 @@ from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
 from weightcast.contract.snapshot_format import snapshot_step
-from weightcast.publisher.converter import (
+from weightcast.runtime.config import Config
+from weightcast.runtime.logs import get_logger
+from weightcast.runtime.observability import Health, serve
+from weightcast.runtime.redis_client import redis_client
+from weightcast.runtime.retry import REDIS_DOWN, Backoff, Outage
+from weightcast_publisher.converter import (
     TMP_VERSION_PREFIX,
     ConvertOptions,
     Published,
     convert,
     version_dir_name,
 )
-from weightcast.publisher.delta_writer import warm_base
-from weightcast.publisher.eviction import Evictor
-from weightcast.publisher.leader import LeaderLock
-from weightcast.publisher.metrics import PublisherMetrics
-from weightcast.publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
-from weightcast.publisher.retention import (
+from weightcast_publisher.delta_writer import warm_base
+from weightcast_publisher.eviction import Evictor
+from weightcast_publisher.leader import LeaderLock
+from weightcast_publisher.metrics import PublisherMetrics
+from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
+from weightcast_publisher.retention import (
     prune_nodes,
     prune_quarantine_records,
     prune_snapshot_records,
 )
-from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot, complete_snapshots
-from weightcast.publisher.watcher import SnapshotWatcher
-from weightcast.runtime.config import Config
-from weightcast.runtime.logs import get_logger
-from weightcast.runtime.observability import Health, serve
-from weightcast.runtime.redis_client import redis_client
-from weightcast.runtime.retry import REDIS_DOWN, Backoff, Outage
+from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot, complete_snapshots
+from weightcast_publisher.watcher import SnapshotWatcher
 
 log = get_logger("publisher")
 

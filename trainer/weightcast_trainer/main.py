@@ -8,18 +8,18 @@ import torch
 
 from weightcast.runtime.config import Config
 from weightcast.runtime.dirs import check_writable_dir
-from weightcast.trainer.device import use_cpu_without_accelerator
+from weightcast_trainer.device import use_cpu_without_accelerator
 
 
 def run_trainer(config: Config) -> int:
     """Train. A bad ``--init-from``, a ``--model`` that contradicts it or a refused torchtitan
     setting is a ConfigError before any directory is created or written."""
     use_cpu_without_accelerator()
-    from weightcast.trainer.hf_start import check_model_flag, inspect_start  # after the device
-    from weightcast.trainer.job import build_job_config
-    from weightcast.trainer.model import flavor_args
-    from weightcast.trainer.resume import resume_dir
-    from weightcast.trainer.worker import Trainer
+    from weightcast_trainer.hf_start import check_model_flag, inspect_start  # after the device
+    from weightcast_trainer.job import build_job_config
+    from weightcast_trainer.model import flavor_args
+    from weightcast_trainer.resume import resume_dir
+    from weightcast_trainer.worker import Trainer
 
     cfg = config.trainer
     start = inspect_start(Path(cfg.init_from)) if cfg.init_from else None

@@ -1,11 +1,11 @@
 """Snapshot -> version directory: source, plan, write, in that order, atomically.
 
 :func:`convert` is the publish path in one place: open the snapshot's source
-(:func:`~weightcast.publisher.sources.open_source`: byte ranges from the safetensors
+(:func:`~weightcast_publisher.sources.open_source`: byte ranges from the safetensors
 headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.plan.plan_version`,
-pure), write each planned file (:mod:`weightcast.publisher.safetensors_writer`: copy, digest
+pure), write each planned file (:mod:`weightcast_publisher.safetensors_writer`: copy, digest
 per block, check floats; and, when the previous version has the same plan, encode the delta
-from it on the way: :mod:`weightcast.publisher.delta_writer`) and the JSON files, then the
+from it on the way: :mod:`weightcast_publisher.delta_writer`) and the JSON files, then the
 manifest. Everything goes to
 ``.tmp-v<N>/``, is fsynced, and only then renamed to ``v<N>/``: a ``v*`` directory is always
 whole. Fused files are named ``*.vllm-fused`` and their ``config.json`` names the marker
@@ -41,8 +41,8 @@ from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, pl
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
-from weightcast.publisher.delta_writer import DeltaSink, find_base
-from weightcast.publisher.safetensors_writer import (
+from weightcast_publisher.delta_writer import DeltaSink, find_base
+from weightcast_publisher.safetensors_writer import (
     NonFiniteTensor,
     OutputTensor,
     SourceEnded,
@@ -50,8 +50,8 @@ from weightcast.publisher.safetensors_writer import (
     link_file,
     write_safetensors,
 )
-from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot, read_config
-from weightcast.publisher.sources import READER_AUTO, Source, open_source
+from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot, read_config
+from weightcast_publisher.sources import READER_AUTO, Source, open_source
 
 HF_INDEX = "model.safetensors.index.json"
 TMP_VERSION_PREFIX = ".tmp-v"
@@ -71,7 +71,7 @@ class ConvertOptions:
     digest: str = DEFAULT_DIGEST
     delta: bool = True
     """Write a delta from the newest earlier version beside the version, computed as the
-    version is written, when their plans match (:mod:`weightcast.publisher.delta_writer`)."""
+    version is written, when their plans match (:mod:`weightcast_publisher.delta_writer`)."""
     expert_parallel: bool = False
     """A mixture of experts' experts laid out whole per rank (vLLM's ``enable_expert_parallel``,
     ep = tp) instead of each expert split over the ranks (ep = 1)."""

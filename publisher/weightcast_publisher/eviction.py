@@ -15,7 +15,7 @@ import redis
 
 from weightcast.contract.durable import remove_dir
 from weightcast.contract.keys import Keys
-from weightcast.publisher.converter import version_dir_name
+from weightcast_publisher.converter import version_dir_name
 
 _EVICT = """
 local t = redis.call('TIME')

@@ -1,5 +1,5 @@
 """The trainer worker: torchtitan 0.2.0 training a Qwen3 policy on rollout batches from Redis.
 
-Start it through :func:`weightcast.trainer.main.run_trainer` (``weightcast trainer``), which
+Start it through :func:`weightcast_trainer.main.run_trainer` (``weightcast trainer``), which
 selects the device type before torchtitan is imported.
 """

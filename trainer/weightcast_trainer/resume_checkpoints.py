@@ -30,15 +30,15 @@ from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import WeightcastError
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Backoff
-from weightcast.trainer import collectives
-from weightcast.trainer.resume import (
+from weightcast_trainer import collectives
+from weightcast_trainer.resume import (
     IncompleteCheckpoint,
     TrainState,
     make_durable,
     newest_checkpoint,
     remove_partial,
 )
-from weightcast.trainer.telemetry import Telemetry
+from weightcast_trainer.telemetry import Telemetry
 
 log = get_logger("trainer")
 

@@ -162,7 +162,7 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the settings' declarations in `shared/runtime/config.py` "
+        "Generated from the settings' declarations in `shared/weightcast/runtime/config.py` "
         "(`python scripts/gen_config_docs.py`); a test fails when this page is stale.",
         "",
         "Settings come from, in rising precedence: defaults, a TOML file (`--config`), "

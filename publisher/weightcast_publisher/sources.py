@@ -7,7 +7,7 @@ loaded and nothing is unpickled; the writer copies byte ranges. The blocks of ev
 must tile it exactly: a gap or an overlap is a corrupt snapshot, never silently loaded.
 
 Everything else (``dcp-torchsave`` snapshots, blocks that are not whole rows, or
-``--reader dcp-load``) is loaded with ``dcp.load`` (:mod:`weightcast.publisher.dcp_load`,
+``--reader dcp-load``) is loaded with ``dcp.load`` (:mod:`weightcast_publisher.dcp_load`,
 the only part of the publish path that needs torch) and written from memory.
 """
 
@@ -26,9 +26,9 @@ from weightcast.contract.fusion import RowRange
 from weightcast.contract.plan import ColumnRange, PlannedFile, Region
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_KEY
 from weightcast.contract.tensorfile import DTYPE_SIZES, HeaderError, TensorSpan, read_header
-from weightcast.publisher.safetensors_writer import Columns, FileRange, Piece
-from weightcast.publisher.snapshot_scan import CorruptSnapshot, Snapshot
 from weightcast.runtime.config import READERS
+from weightcast_publisher.safetensors_writer import Columns, FileRange, Piece
+from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
 READER_AUTO, READER_DCP_LOAD = READERS
 BYTE_RANGE = "byte-range"
@@ -82,7 +82,7 @@ def open_source(snapshot: Snapshot, reader: str = READER_AUTO) -> Source:
             return HeaderSource(snapshot)
         except Unsupported:
             pass
-    from weightcast.publisher.dcp_load import MemorySource
+    from weightcast_publisher.dcp_load import MemorySource
 
     return MemorySource(snapshot)
 

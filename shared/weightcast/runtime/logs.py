@@ -28,7 +28,11 @@ _LOGGING_KWARGS = {"exc_info", "stack_info", "stacklevel", "extra"}
 
 
 def get_logger(name: str) -> StructuredLogger:
-    """The logger ``weightcast.<name>`` (a module's ``__name__`` is taken as it is)."""
+    """The logger ``weightcast.<name>``. A module's ``__name__`` maps into that tree, so that
+    one handler and level cover the daemons too: ``weightcast_trainer.snapshot_writer`` logs
+    as ``weightcast.trainer.snapshot_writer``."""
+    if name.startswith("weightcast_"):
+        name = name.replace("_", ".", 1)
     full = name if name.startswith("weightcast.") else f"weightcast.{name}"
     return StructuredLogger(logging.getLogger(full), {})
 
