@@ -14,6 +14,8 @@ step's forward and backward overlap the copy, only the optimizer step waits for 
 (:meth:`SnapshotWriter.before_weights_change`), and nothing waits for the whole device.
 
 A write never leaves a partial ``step-<S>/``: everything goes to ``.tmp-step-<S>/`` first.
+A step written again (after a restart) replaces the old ``step-<S>/`` in one atomic swap
+where the filesystem has ``RENAME_EXCHANGE`` (:func:`~weightcast.contract.durable.replace_dir`).
 When the checkpoint filesystem is full, the snapshot is skipped, counted
 (:attr:`SnapshotWriter.skipped_no_space`) and logged, and training goes on. A weight that
 holds NaN or infinity is never written: the write fails and :meth:`busy` raises, naming it.
@@ -39,7 +41,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from weightcast.contract.durable import fsync_path, publish_dir, remove_dir, sweep, write_json
+from weightcast.contract.durable import (
+    fsync_path,
+    publish_dir,
+    remove_dir,
+    replace_dir,
+    sweep,
+    write_json,
+)
 from weightcast.contract.snapshot_format import (
     CONFIG_NAME,
     FORMAT_DCP_SAFETENSORS,
@@ -250,10 +259,13 @@ class SnapshotWriter:
             files=tuple(files),
         ).write(tmp)
         fsync_path(tmp)
-        if final.exists():
-            log.warning("replacing an existing snapshot", path=str(final))
-            remove_dir(final)
-        publish_dir(tmp, final)
+        if not final.exists():
+            publish_dir(tmp, final)
+            return
+        # A rerun of this step after a restart: swap the new one in (the publisher may be
+        # reading step-<S>/ right now), then delete the old one.
+        atomic = replace_dir(tmp, final)
+        log.warning("replaced an existing snapshot", path=str(final), atomic=atomic)
 
 
 def _causes(failure: BaseException | None) -> list[BaseException]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -9,6 +11,11 @@ import uuid
 from pathlib import Path
 
 TRASH_PREFIX = ".trash-"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_NO_EXCHANGE = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM)
+"""What renameat2 answers where the kernel, the filesystem or a seccomp filter lacks it."""
+_renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
 
 
 def write_json(path: Path, data: object) -> None:
@@ -37,6 +44,35 @@ def publish_dir(tmp: Path, final: Path) -> None:
     """Rename a finished ``tmp`` directory to ``final`` and make the rename durable."""
     os.rename(tmp, final)
     fsync_path(final.parent)
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap two existing directories in one step (Linux ``renameat2(RENAME_EXCHANGE)``), so
+    that both names always name a directory; False where the system or filesystem cannot."""
+    if _renameat2 is None:  # not glibc >= 2.28 (macOS, musl)
+        return False
+    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in _NO_EXCHANGE:
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def replace_dir(tmp: Path, final: Path) -> bool:
+    """Put a finished ``tmp`` directory in place of the existing ``final``, then delete the old.
+
+    Atomic where :func:`exchange_dirs` works: ``final`` names the old directory, then the new
+    one, never nothing. Elsewhere it takes two renames (the old one out, the new one in), and
+    a reader may find ``final`` gone or changed in between. True when it was atomic.
+    """
+    if exchange_dirs(tmp, final):
+        fsync_path(final.parent)
+        remove_dir(tmp)  # the old directory, under the temp name since the swap
+        return True
+    remove_dir(final)
+    publish_dir(tmp, final)
+    return False
 
 
 def remove_dir(path: Path) -> None:
