@@ -19,7 +19,6 @@ weights directory (``v17``, ``v17/hf``), so every node resolves it against its o
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import signal
 import threading
@@ -57,7 +56,14 @@ from weightcast_publisher.retention import (
     prune_quarantine_records,
     prune_snapshot_records,
 )
-from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot, complete_snapshots
+from weightcast_publisher.snapshot_scan import (
+    CorruptSnapshot,
+    DirId,
+    Snapshot,
+    complete_snapshots,
+    discard,
+    set_aside,
+)
 from weightcast_publisher.watcher import SnapshotWatcher
 
 log = get_logger("publisher")
@@ -217,8 +223,8 @@ class Publisher:
         """Complete snapshots not yet handled, oldest first; the broken ones quarantined and
         all but the newest recorded as skipped."""
         snapshots, broken = complete_snapshots(self.checkpoint_dir)
-        for path, reason in broken:
-            self.quarantine(path, None, reason, snapshot_step(path.name))
+        for bad in broken:
+            self.quarantine(bad.path, None, bad.reason, snapshot_step(bad.path.name), bad.dir_id)
         handled = self.registry.handled()
         pending = [s for s in snapshots if s.info.snapshot_id not in handled]
         for older in pending[:-1]:
@@ -236,7 +242,8 @@ class Publisher:
         try:
             published = convert(snapshot, self.weights_dir, version, self.options)
         except CorruptSnapshot as exc:
-            self.quarantine(snapshot.path, snapshot.info.snapshot_id, str(exc), snapshot.step)
+            info = snapshot.info
+            self.quarantine(snapshot.path, info.snapshot_id, str(exc), info.step, snapshot.dir_id)
             return
         except LayoutError as exc:
             placement = " with publisher.expert_parallel" if self.cfg.expert_parallel else ""
@@ -333,16 +340,21 @@ class Publisher:
             log.info("eviction waits for a lease", version=version)
 
     def quarantine(
-        self, path: Path, snapshot_id: str | None, reason: str, step: int | None = None
+        self,
+        path: Path,
+        snapshot_id: str | None,
+        reason: str,
+        step: int | None = None,
+        judged: DirId | None = None,
     ) -> None:
-        """Move a snapshot that cannot be published aside, with its reason, and say so."""
+        """Move the snapshot judged unpublishable aside, with its reason, and say so; not the
+        one at ``path`` now if the trainer has written that step again since."""
         target = self.checkpoint_dir / QUARANTINE_DIR / f"{path.name}-{int(time.time() * 1000)}"
         target.parent.mkdir(exist_ok=True)
-        try:
-            (path / REASON_FILE).write_text(reason + "\n")
-            os.rename(path, target)
-        except FileNotFoundError:
+        if not set_aside(path, judged, target):
+            log.info("not quarantined: replaced or removed since it was read", path=str(path))
             return
+        (target / REASON_FILE).write_text(reason + "\n")
         if snapshot_id:
             self.registry.mark(snapshot_id, SNAPSHOT_QUARANTINED)
         self.registry.record_quarantine(snapshot_id or path.name, reason, step, str(target))
@@ -355,7 +367,7 @@ class Publisher:
         handled = self.registry.handled()
         done = [s for s in snapshots if s.info.snapshot_id in handled]
         for snapshot in done[:-KEEP_SNAPSHOTS]:
-            remove_dir(snapshot.path)
+            discard(snapshot)
 
     def prune_quarantine(self) -> None:
         """Keep the newest ``keep_quarantined`` quarantined snapshots."""

@@ -81,12 +81,17 @@ def remove_dir(path: Path) -> None:
     A crash mid-delete leaves a ``.trash-*`` directory that :func:`sweep` removes, never a
     half-deleted directory under the original name.
     """
-    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+    trash = trash_path(path)
     try:
         os.rename(path, trash)
     except FileNotFoundError:
         return
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def trash_path(path: Path) -> Path:
+    """A fresh name beside ``path`` for it on its way out, one that :func:`sweep` finds."""
+    return path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
 
 
 def sweep(directory: Path, prefixes: tuple[str, ...]) -> list[str]:
