@@ -1,27 +1,36 @@
 """The trainer's SnapshotWriter on real files: the dcp-safetensors format the publisher reads,
-a weight holding NaN refused with nothing written, a full filesystem skipped and counted."""
+a weight holding NaN refused with nothing written, a full filesystem skipped and counted, a
+step written again after a restart replacing the old one without the publisher ever seeing
+the step broken."""
 
 from __future__ import annotations
 
 import logging
+import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from weightcast.contract import durable
 from weightcast.contract.errors import WeightcastError
+from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import Manifest, verify_files
-from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, read_complete
+from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo, read_complete
+from weightcast.local.redis_server import RedisServer
+from weightcast_publisher import snapshot_scan
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot, complete_snapshots
 from weightcast_trainer.dcp_safetensors import NonFiniteWeight
 from weightcast_trainer.snapshot_writer import SnapshotWriter
 
-from helpers import hf_config, hf_state, shape_of, tmpfs
+from helpers import Deployment, drift, hf_config, hf_state, shape_of, tmpfs
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64, tied=False, bias=True)
 
@@ -138,6 +147,66 @@ def test_a_full_filesystem_skips_the_snapshot_counts_it_and_training_goes_on(
     writer.wait()
     assert writer.written == 1 and entries(tiny_filesystem) == ["step-3"]
     read_complete(tiny_filesystem / "step-3")
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["rename-exchange", "two-renames"])
+def test_a_step_rewritten_while_the_publisher_reads_it_is_published_never_quarantined(
+    redis_server: RedisServer,
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    atomic: bool,
+) -> None:
+    """A trainer restarted from an earlier step writes step-5 again while the publisher's scan
+    reads step-5: the scan lists it, then the replacement runs and is held open where the old
+    snapshot is deleted (slow for GBs), then the scan reads. The publisher must not quarantine
+    the good snapshot and must publish the new one, with or without ``RENAME_EXCHANGE``."""
+    if not atomic:  # a filesystem without RENAME_EXCHANGE (NFS, an old kernel)
+        monkeypatch.setattr(durable, "exchange_dirs", lambda tmp, final: False)
+    publisher = Deployment(client, keys, tmp_path, redis_server.url).publisher
+    checkpoints = tmp_path / "checkpoints"
+    model = Weights(hf_state(SHAPE, torch.bfloat16))
+    first = writer_for(checkpoints, model)
+    first.start(model, 5)
+    first.wait()
+    publisher.scan_once()
+    assert client.get(keys.latest) == b"1"
+
+    drift(dict(model.named_buffers()), 1)  # the rerun of steps 1-5 reached other weights
+    rerun = writer_for(checkpoints, model)  # the trainer after its restart
+    step = checkpoints / "step-5"
+    deleting, finish = threading.Event(), threading.Event()
+    rmtree, read = shutil.rmtree, snapshot_scan.read_complete
+
+    def slow_rmtree(path: str | Path, *args, **kwargs) -> None:
+        if threading.current_thread().name == "weightcast-snapshot":  # the trainer's writer
+            deleting.set()
+            assert finish.wait(30)
+        rmtree(path, *args, **kwargs)
+
+    def read_during_the_rewrite(path: Path) -> SnapshotInfo:
+        if path != step or deleting.is_set():
+            return read(path)
+        rerun.start(model, 5)  # the scan has listed step-5; the trainer replaces it now
+        assert deleting.wait(30), "the trainer never deleted the old snapshot"
+        try:
+            return read(path)
+        finally:
+            finish.set()
+            rerun.wait()  # the new step-5 is in place before the scan acts on what it read
+
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(snapshot_scan, "read_complete", read_during_the_rewrite)
+    publisher.scan_once()
+    assert deleting.is_set() and rerun.written == 1
+    publisher.scan_once()
+
+    assert client.hlen(keys.quarantine) == 0, client.hvals(keys.quarantine)
+    assert [e for e in entries(checkpoints) if e != "quarantine"] == ["step-5"]
+    new_id = SnapshotInfo.read(step).snapshot_id
+    assert client.get(keys.latest) == b"2"
+    assert client.hget(keys.version(2), "snapshot_id") == new_id.encode()
 
 
 def written(directory: Path) -> dict[str, torch.Tensor]:
