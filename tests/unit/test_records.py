@@ -1,6 +1,7 @@
 """The Redis records with one typed home each in the contract (the registry entry, the
-events, the quarantine record): what the writer encodes is what readers parse, byte for byte
-as the wire contract says, and what no writer writes is refused with the reason."""
+events, the quarantine record, the trainer's heartbeat): what the writer encodes is what
+readers parse, byte for byte as the wire contract says, and what no writer writes is refused
+with the reason."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from weightcast.contract.errors import RecordError, WeightsError
 from weightcast.contract.events import Evicted, Published, parse_event
+from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.untrusted import HashFields
 from weightcast.contract.version_info import VersionInfo, dir_version, version_dir_name
@@ -147,3 +149,48 @@ def test_a_quarantine_record_is_the_publishers_json_and_reads_back() -> None:
 def test_a_quarantine_record_no_publisher_writes_is_refused(data: str, message: str) -> None:
     with pytest.raises(RecordError, match=message):
         QuarantineRecord.parse(data)
+
+
+def test_the_heartbeat_is_flat_text_fields_and_reads_back() -> None:
+    beat = Heartbeat(
+        step=7, run_id="r1", consumer="c1", at=1700000000.25, loss=0.6931471805599453,
+        last_policy_lag=-1, tokens_per_s=12345.678, mismatch_version=3, last_checkpoint_error="",
+    )  # fmt: skip
+    assert beat.encode() == {
+        "step": "7",
+        "run_id": "r1",
+        "consumer": "c1",
+        "at": "1700000000.25",
+        "last_checkpoint_error": "",
+        "loss": "0.6931471805599453",
+        "mismatch_version": "3",
+        "tokens_per_s": "12345.678",
+        "last_policy_lag": "-1",
+    }
+    assert Heartbeat.parse({k.encode(): v.encode() for k, v in beat.encode().items()}) == beat
+    later = beat.updated(Heartbeat(step=8, loss=float("nan")))
+    assert (later.step, later.run_id, later.encode()["loss"]) == (8, "r1", "nan")
+    assert Heartbeat.parse(later.encode()).step == 8  # a figure may be nan, and reads back
+    newer = Heartbeat.parse({"step": "1", "custom_field": "42"})
+    assert newer.other == {"custom_field": "42"} and "custom_field" not in newer.encode()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("step", "7.0", "step is '7.0', not a int"),
+        ("pending", "-3", "pending is '-3', not a int"),
+        ("loss", "low", "loss is 'low', not a float"),
+        ("at", "nan", "at is 'nan', not a float"),
+        ("world_size", "", "world_size is '', not a int"),
+    ],
+)
+def test_a_heartbeat_no_trainer_writes_is_refused(field: str, value: str, message: str) -> None:
+    with pytest.raises(RecordError, match=re.escape(f"the trainer heartbeat: {message}")):
+        Heartbeat.parse({"step": "1", field: value})
+
+
+def test_every_trainer_gauge_is_a_figure_of_the_heartbeat() -> None:
+    telemetry = pytest.importorskip("weightcast_trainer.telemetry")
+    figures = {name for name, value in Heartbeat(**dict.fromkeys(telemetry.GAUGES, 1)).values()}
+    assert figures == set(telemetry.GAUGES)
