@@ -41,6 +41,7 @@ from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, pl
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
+from weightcast.contract.version_info import version_dir_name
 from weightcast_publisher.delta_writer import DeltaSink, find_base
 from weightcast_publisher.safetensors_writer import (
     NonFiniteTensor,
@@ -55,10 +56,6 @@ from weightcast_publisher.sources import READER_AUTO, Source, open_source
 
 HF_INDEX = "model.safetensors.index.json"
 TMP_VERSION_PREFIX = ".tmp-v"
-
-
-def version_dir_name(version: int) -> str:
-    return f"v{version}"
 
 
 @dataclass(frozen=True)

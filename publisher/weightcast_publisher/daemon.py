@@ -19,7 +19,7 @@ weights directory (``v17``, ``v17/hf``), so every node resolves it against its o
 from __future__ import annotations
 
 import contextlib
-import re
+import dataclasses
 import signal
 import threading
 import time
@@ -31,9 +31,12 @@ import redis
 
 from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
+from weightcast.contract.events import Published as PublishedEvent
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
+from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.snapshot_format import snapshot_step
+from weightcast.contract.version_info import VersionInfo, dir_version, version_dir_name
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
@@ -44,7 +47,6 @@ from weightcast_publisher.converter import (
     ConvertOptions,
     Published,
     convert,
-    version_dir_name,
 )
 from weightcast_publisher.delta_writer import warm_base
 from weightcast_publisher.eviction import Evictor
@@ -71,7 +73,6 @@ log = get_logger("publisher")
 KEEP_SNAPSHOTS = 2
 QUARANTINE_DIR = "quarantine"
 REASON_FILE = "REASON.txt"
-_VERSION_DIR = re.compile(r"^v(\d+)$")
 
 
 class NotLeader(WeightcastError):
@@ -284,43 +285,37 @@ class Publisher:
 
         ``path`` (and ``hf_path``) are relative to the weights directory.
         """
-        manifest = published.manifest
+        manifest, snapshot_info = published.manifest, snapshot.info
         path = version_dir_name(version)
-        fields: dict[str, Any] = {
-            "path": path,
-            "step": snapshot.step,
-            "layout": manifest.layout,
-            "tp": manifest.tp,
-            "dtype": manifest.dtype,
-            "bytes": manifest.total_bytes,
-            "manifest_sha256": published.manifest_sha256,
-            "run_id": snapshot.info.run_id,
-            "snapshot_id": snapshot.info.snapshot_id,
-            "snapshot_created_at": snapshot.info.created_at,
-            "per_rank_files": int(manifest.per_rank_files),
-            "delta_from": manifest.delta.base_version if manifest.delta else 0,
-            "delta_bytes": manifest.delta.bytes if manifest.delta else 0,
-        }
-        if manifest.hf_dir:
-            fields["hf_path"] = f"{path}/{manifest.hf_dir}"
+        entry = VersionInfo(
+            version,
+            path,
+            snapshot.step,
+            manifest.layout,
+            manifest.tp,
+            manifest.dtype,
+            manifest.total_bytes,
+            published.manifest_sha256,
+            snapshot_info.run_id,
+            0.0,  # the time of each try, below
+            manifest.delta.base_version if manifest.delta else 0,
+            manifest.delta.bytes if manifest.delta else 0,
+            snapshot_info.snapshot_id,
+            float(snapshot_info.created_at),
+            manifest.per_rank_files,
+            f"{path}/{manifest.hf_dir}" if manifest.hf_dir else "",
+        )
         while True:
             registered_at = time.time()
-            lag = registered_at - snapshot.info.created_at
-            event = {
-                "step": snapshot.step,
-                "lag_s": round(lag, 4),
-                "path": path,
-                "snapshot_id": snapshot.info.snapshot_id,
-            }
+            lag = registered_at - snapshot_info.created_at
+            event = PublishedEvent(
+                version, snapshot.step, round(lag, 4), path, snapshot_info.snapshot_id
+            )
             try:
                 if not self.lock.held:
                     self.lock.try_acquire()  # taken back if no one else took it meanwhile
                 outcome = self.registry.register(
-                    version,
-                    snapshot.info.snapshot_id,
-                    {**fields, "created_at": registered_at},
-                    event,
-                    self.lock.holder,
+                    dataclasses.replace(entry, created_at=registered_at), event, self.lock.holder
                 )
                 return outcome, lag
             except REDIS_DOWN as exc:
@@ -357,7 +352,8 @@ class Publisher:
         (target / REASON_FILE).write_text(reason + "\n")
         if snapshot_id:
             self.registry.mark(snapshot_id, SNAPSHOT_QUARANTINED)
-        self.registry.record_quarantine(snapshot_id or path.name, reason, step, str(target))
+        record = QuarantineRecord(reason, step, str(target), round(time.time(), 3))
+        self.registry.record_quarantine(snapshot_id or path.name, record)
         self.metrics.quarantined.inc()
         log.error("quarantined snapshot", path=str(path), moved_to=str(target), reason=reason)
 
@@ -401,8 +397,8 @@ class Publisher:
         sweep(self.checkpoint_dir / QUARANTINE_DIR, (TRASH_PREFIX,))
         live = set(self.registry.live_versions())
         for entry in self.weights_dir.iterdir():
-            match = _VERSION_DIR.match(entry.name)
-            if match and int(match.group(1)) not in live:
+            version = dir_version(entry.name)
+            if version is not None and version not in live:
                 remove_dir(entry)
                 removed.append(entry.name)
         if removed:

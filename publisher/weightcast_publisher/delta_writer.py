@@ -43,11 +43,11 @@ from weightcast.contract.manifest import (
     new_hasher,
     sha256_bytes,
 )
+from weightcast.contract.version_info import dir_version, version_dir_name
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("publisher")
 
-_VERSION_DIR = re.compile(r"v([0-9]+)")
 _local = threading.local()
 """Each encoding thread's zstd compressor (one is not shared between threads) and the
 buffer it reads base blocks into."""
@@ -65,12 +65,10 @@ class Base:
 def find_base(weights_dir: Path, version: int) -> Base | None:
     """The newest published version below ``version`` (its ``v<N>`` directory, manifest
     readable), or None."""
-    numbers = sorted(
-        (int(m.group(1)) for p in weights_dir.iterdir() if (m := _VERSION_DIR.fullmatch(p.name))),
-        reverse=True,
-    )
+    found = (dir_version(p.name) for p in weights_dir.iterdir())
+    numbers = sorted((n for n in found if n is not None), reverse=True)
     for number in (n for n in numbers if n < version):
-        path = weights_dir / f"v{number}"
+        path = weights_dir / version_dir_name(number)
         try:
             text = (path / MANIFEST_NAME).read_bytes()
             return Base(path, Manifest.from_json(text), sha256_bytes(text))

@@ -1,13 +1,13 @@
 """Keep-last-N eviction that never removes a version a reader holds a live lease on.
 
-One Lua script drops expired leases, refuses while any lease is live, and otherwise removes
-the version from Redis and announces it; only then is the directory renamed out of the
-namespace and deleted. A reader that took its lease first keeps every file it needs.
+The lease protocol's eviction script (:meth:`weightcast.contract.leases.Leases.evict`) drops
+expired leases, refuses while any lease is live, and otherwise removes the version from
+Redis and announces it; only then is the directory renamed out of the namespace and
+deleted. A reader that took its lease first keeps every file it needs.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,18 +15,8 @@ import redis
 
 from weightcast.contract.durable import remove_dir
 from weightcast.contract.keys import Keys
-from weightcast_publisher.converter import version_dir_name
-
-_EVICT = """
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
-if redis.call('ZCARD', KEYS[3]) > 0 then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('DEL', KEYS[2])
-redis.call('PUBLISH', ARGV[2], ARGV[3])
-return 1
-"""
+from weightcast.contract.leases import Leases
+from weightcast.contract.version_info import version_dir_name
 
 
 @dataclass
@@ -41,7 +31,7 @@ class Evictor:
         self.keys = keys
         self.weights_dir = weights_dir
         self.keep = keep
-        self._evict = client.register_script(_EVICT)
+        self.leases = Leases(client, keys)
 
     def run(self) -> EvictionResult:
         """Evict every live version older than the newest ``keep`` that no one leases."""
@@ -55,9 +45,7 @@ class Evictor:
         return result
 
     def evict(self, version: int) -> bool:
-        message = json.dumps({"event": "evicted", "version": version})
-        keys = [self.keys.versions, self.keys.version(version), self.keys.leases(version)]
-        if not self._evict(keys=keys, args=[version, self.keys.events, message]):
+        if not self.leases.evict(version):
             return False
         remove_dir(self.weights_dir / version_dir_name(version))
         return True

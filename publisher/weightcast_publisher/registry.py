@@ -8,14 +8,12 @@ publishes the event. Readers see all of it or none of it.
 
 from __future__ import annotations
 
-import json
-import time
-from collections.abc import Mapping
-from typing import Any
-
 import redis
 
+from weightcast.contract.events import Published
 from weightcast.contract.keys import Keys
+from weightcast.contract.quarantine import QuarantineRecord
+from weightcast.contract.version_info import VersionInfo
 
 NOT_LEADER = -1
 ALREADY_HANDLED = 0
@@ -56,34 +54,26 @@ class Registry:
         """Record a snapshot that will not be published (skipped or quarantined)."""
         self.client.hsetnx(self.keys.snapshots, snapshot_id, outcome)
 
-    def record_quarantine(self, name: str, reason: str, step: int | None, path: str) -> None:
+    def record_quarantine(self, name: str, record: QuarantineRecord) -> None:
         """Keep why a snapshot was quarantined where ``weightcast status`` and people can see."""
-        entry = {"reason": reason, "step": step, "path": path, "at": round(time.time(), 3)}
-        self.client.hset(self.keys.quarantine, name, json.dumps(entry))
+        self.client.hset(self.keys.quarantine, name, record.encode())
 
-    def register(
-        self,
-        version: int,
-        snapshot_id: str,
-        fields: Mapping[str, Any],
-        event: Mapping[str, Any],
-        holder: str,
-    ) -> int:
-        """Register ``version`` atomically while ``holder`` holds the publisher lock.
+    def register(self, info: VersionInfo, event: Published, holder: str) -> int:
+        """Register ``info`` (its snapshot ``info.snapshot_id``) atomically while ``holder``
+        holds the publisher lock, announcing ``event``.
 
         Returns :data:`REGISTERED` (also when this very version was registered by an earlier
         call whose reply was lost), :data:`ALREADY_HANDLED` or :data:`NOT_LEADER`.
         """
-        flat = [str(item) for pair in fields.items() for item in pair]
-        message = json.dumps({"event": "published", "version": version, **event})
+        flat = [item for pair in info.as_fields().items() for item in pair]
         keys = [
-            self.keys.version(version),
+            self.keys.version(info.version),
             self.keys.versions,
             self.keys.latest,
             self.keys.snapshots,
             self.keys.publisher_leader,
         ]
-        args = [version, snapshot_id, message, self.keys.events, holder, *flat]
+        args = [info.version, info.snapshot_id, event.encode(), self.keys.events, holder, *flat]
         return int(self._register(keys=keys, args=args))
 
     def live_versions(self) -> list[int]:

@@ -16,7 +16,7 @@ import redis
 
 from weightcast.contract.keys import Keys
 from weightcast.contract.nodes import NodeReport
-from weightcast.contract.untrusted import json_object
+from weightcast.contract.quarantine import QuarantineRecord
 
 
 def prune_nodes(client: redis.Redis, keys: Keys, retention_s: float) -> list[str]:
@@ -63,8 +63,8 @@ def prune_quarantine_records(client: redis.Redis, keys: Keys, keep: int) -> list
     entries = []
     for name, value in client.hgetall(keys.quarantine).items():
         try:
-            at = float(json_object(value, "the quarantine record", ValueError).get("at", 0))
-        except (ValueError, TypeError):
+            at = QuarantineRecord.parse(value).at
+        except ValueError:
             at = 0.0
         entries.append((at, name))
     entries.sort()

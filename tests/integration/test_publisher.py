@@ -13,6 +13,7 @@ import redis
 import torch
 from prometheus_client import generate_latest
 
+from weightcast.contract.events import Published
 from weightcast.contract.keys import Keys
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
@@ -21,6 +22,7 @@ from weightcast.contract.snapshot_format import (
     SnapshotInfo,
 )
 from weightcast.contract.tensorfile import read_header
+from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
 from weightcast.runtime.settings import load_config
@@ -212,8 +214,11 @@ def test_only_the_lock_holder_publishes_and_registers(
     assert client.get(keys.latest) is None and not list((tmp_path / "weights").iterdir())
 
     # A paused ex-leader whose lock was taken over cannot register what it converted.
-    fields = {"path": "x", "step": 1}
-    assert standby.registry.register(7, "snap", fields, {}, standby.lock.holder) == NOT_LEADER
+    entry = VersionInfo(
+        7, "x", 1, "vllm-fused", 1, "bfloat16", 0, "0" * 64, "r", 0.0, snapshot_id="snap"
+    )
+    event = Published(7, 1, 0.0, "x", "snap")
+    assert standby.registry.register(entry, event, standby.lock.holder) == NOT_LEADER
     assert not client.exists(keys.version(7))
     leader.scan_once()
     assert int(client.get(keys.latest)) == 1

@@ -92,12 +92,15 @@ def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(
     assert "2 in stream, 2 undelivered, 0 pending, 0 dead-lettered" in table
 
 
-def test_entries_no_node_or_publisher_wrote_are_shown_not_fatal(
+def test_entries_no_node_publisher_or_trainer_wrote_are_shown_not_fatal(
     cli_env: dict[str, str], client: redis.Redis, keys: Keys
 ) -> None:
     client.hset(keys.nodes, "node-garbage", "[" * 100_000)  # past the recursion limit
     client.hset(keys.nodes, "node-partial", json.dumps({"version": "two"}))
     client.hset(keys.quarantine, "step-7", "not json")
+    client.zadd(keys.versions, {5: 5})
+    client.hset(keys.version(5), mapping={"path": "v5", "step": "five"})
+    client.hset(keys.trainer_heartbeat, mapping={"step": "3", "at": "soon"})
     view = json.loads(run_weightcast(cli_env, "status", "--json").stdout)
     table = run_weightcast(cli_env, "status").stdout
     for node in ("node-garbage", "node-partial"):
@@ -106,6 +109,18 @@ def test_entries_no_node_or_publisher_wrote_are_shown_not_fatal(
     (quarantined,) = view["publisher"]["quarantined"]
     assert quarantined["snapshot"] == "step-7"
     assert quarantined["reason"].startswith(f"unreadable entry in {keys.quarantine}")
+    (version,) = view["versions"]
+    assert version["version"] == 5 and version["step"] == -1
+    assert (
+        version["error"]
+        == "unreadable entry: registry entry of version 5: step is 'five', not a int"
+    )
+    assert f"      5  {version['error']}; leases: -" in table
+    assert view["trainer"] == {
+        "error": f"unreadable {keys.trainer_heartbeat}: the trainer heartbeat: at is 'soon', "
+        "not a float"
+    }
+    assert f"trainer: {view['trainer']['error']}" in table
 
 
 def test_watch_redraws_in_place_until_interrupted(cli_env: dict[str, str]) -> None:

@@ -35,6 +35,7 @@ from weightcast.contract.streams import (
     ensure_group,
     failed_attempts,
 )
+from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage
 
@@ -207,11 +208,12 @@ class BatchSource:
         uniform v0 or a version no longer registered); versions never change, so each is
         read once."""
         if policy_version not in self._version_steps:
-            step = self._call(
-                lambda: self.client.hget(self.keys.version(policy_version), "step"),
+            entry = self._call(
+                lambda: self.client.hgetall(self.keys.version(policy_version)),
                 "reading a version's step",
             )
-            self._version_steps[policy_version] = int(step) if step is not None else None
+            info = VersionInfo.from_fields(policy_version, entry) if entry else None
+            self._version_steps[policy_version] = info.step if info else None
         return self._version_steps[policy_version]
 
     def ack(self, entry_ids: Sequence[str]) -> None:

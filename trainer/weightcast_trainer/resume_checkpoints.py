@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import WeightcastError
+from weightcast.contract.heartbeat import Heartbeat
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Backoff
 from weightcast_trainer import collectives
@@ -217,7 +218,9 @@ class ResumeCheckpoints:
             mode="async" if self.asynchronous else "disabled",
         )
         self.telemetry.update(
-            checkpoint_step=saving.step, checkpoint_seconds=seconds, last_checkpoint_error=""
+            Heartbeat(
+                checkpoint_step=saving.step, checkpoint_seconds=seconds, last_checkpoint_error=""
+            )
         )
 
     def save_final(self, signals: Callable[[], int], report: Callable[[], None]) -> None:
@@ -276,7 +279,9 @@ class ResumeCheckpoints:
             durable_step=self.durable_step,
         )
         self.telemetry.update(
-            checkpoint_failures=self.failures, last_checkpoint_error=f"step {step}: {text}"
+            Heartbeat(
+                checkpoint_failures=self.failures, last_checkpoint_error=f"step {step}: {text}"
+            )
         )
 
 

@@ -1,19 +1,20 @@
 """What the trainer tells operators: the Redis heartbeat, Prometheus gauges and ``/healthz``.
 
-Rank 0 reports for the whole job. The heartbeat hash ``{wc}:trainer:heartbeat`` holds flat
-string fields that ``weightcast status`` prints as they are; the same figures are Prometheus
-gauges named ``weightcast_trainer_<field>``. ``/healthz`` answers 503 while Redis is
-unreachable, while resume checkpoints are failing, or when the loop has stalled.
+Rank 0 reports for the whole job. The heartbeat hash ``{wc}:trainer:heartbeat`` is a
+:class:`~weightcast.contract.heartbeat.Heartbeat`, which ``weightcast status`` prints; its
+figures are also Prometheus gauges named ``weightcast_trainer_<field>``. ``/healthz`` answers
+503 while Redis is unreachable, while resume checkpoints are failing, or when the loop has
+stalled.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import redis
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
+from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.runtime.observability import Health, ObservabilityServer, serve
 from weightcast.runtime.retry import Outage
@@ -48,6 +49,7 @@ GAUGES = {
     "checkpoint_seconds": "time the newest durable resume checkpoint took to write",
     "checkpoint_failures": "resume checkpoints that failed (a full disk...); retried later",
 }
+"""The gauges, each a numeric field of :class:`Heartbeat`, with its help text."""
 
 STALL_S = 120.0
 """``/healthz`` turns unhealthy when the loop has not come round for this long."""
@@ -68,23 +70,25 @@ class Telemetry:
             name: Gauge(f"weightcast_trainer_{name}", text, registry=self.registry)
             for name, text in GAUGES.items()
         }
-        self.fields: dict[str, Any] = {}
+        self.beat = Heartbeat()
+        """Every field written so far: the next heartbeat."""
         self.last_beat = 0.0
         self.server: ObservabilityServer | None = (
             serve(port, self.health, lambda: generate_latest(self.registry)) if leader else None
         )
 
-    def update(self, **fields: Any) -> None:
-        self.fields.update(fields)
-        for name, value in fields.items():
-            if name in self.gauges and isinstance(value, int | float):
-                self.gauges[name].set(value)
+    def update(self, change: Heartbeat) -> None:
+        """Take the fields ``change`` sets into the next heartbeat and the gauges."""
+        self.beat = self.beat.updated(change)
+        for name, value in change.values():
+            if name in self.gauges:
+                self.gauges[name].set(float(value))
 
     def heartbeat(self, force: bool = False, every_s: float = 1.0) -> None:
         """Refresh ``{wc}:trainer:heartbeat`` (at most every ``every_s`` unless forced)."""
         now = time.time()
         self.last_beat = now
-        if not self.leader or (not force and now - float(self.fields.get("at", 0)) < every_s):
+        if not self.leader or (not force and now - (self.beat.at or 0.0) < every_s):
             return
         self.outage.call(self._beat, "writing the heartbeat")
 
@@ -98,22 +102,21 @@ class Telemetry:
             {},
         )
         self.update(
-            queue_lag=int(group.get("lag") or 0),
-            pending=int(group.get("pending", 0)),  # XINFO GROUPS counts it too: no XPENDING
-            at=time.time(),
+            Heartbeat(
+                queue_lag=int(group.get("lag") or 0),
+                pending=int(group.get("pending", 0)),  # XINFO GROUPS counts it too: no XPENDING
+                at=time.time(),
+            )
         )
-        self.client.hset(
-            self.keys.trainer_heartbeat,
-            mapping={k: _text(v) for k, v in self.fields.items()},
-        )
+        self.client.hset(self.keys.trainer_heartbeat, mapping=self.beat.encode())
 
     def health(self) -> Health:
         """503 while Redis is unreachable, resume checkpoints fail, or the loop stalls."""
         age = time.time() - self.last_beat
         outage = self.outage
-        checkpoint_error = self.fields.get("last_checkpoint_error", "")
+        checkpoint_error = self.beat.last_checkpoint_error or ""
         detail = {
-            "step": self.fields.get("step"),
+            "step": self.beat.step,
             "loop_age_s": age,
             "redis": f"unreachable: {outage.last_error}" if outage.ongoing else "ok",
             "last_checkpoint_error": checkpoint_error,
@@ -123,7 +126,3 @@ class Telemetry:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-
-
-def _text(value: Any) -> str:
-    return repr(value) if isinstance(value, float) else str(value)

@@ -35,6 +35,7 @@ from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
 from weightcast.contract.codec import BatchLimits, RolloutBatch
 from weightcast.contract.errors import ConfigError
+from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import Keys
 from weightcast.contract.streams import trim_acknowledged
 from weightcast.runtime.config import Config
@@ -217,12 +218,14 @@ class Trainer(ForgeEngine):
         )
         self._start_loop_state()
         self.telemetry.update(
-            step=self.train_state.step,
-            run_id=self.run_id,
-            consumer=self.cfg.consumer or socket.gethostname(),
-            last_snapshot="",
-            world_size=self.world,
-            last_checkpoint_error="",
+            Heartbeat(
+                step=self.train_state.step,
+                run_id=self.run_id,
+                consumer=self.cfg.consumer or socket.gethostname(),
+                last_snapshot="",
+                world_size=self.world,
+                last_checkpoint_error="",
+            )
         )
 
     # -- construction, in the order __init__ runs it --------------------------------------
@@ -405,20 +408,31 @@ class Trainer(ForgeEngine):
                 self._publish()
         seconds = time.perf_counter() - start
         metrics = outcome.metrics
+        mismatch_version = None
         if "mismatch_kl" in metrics:  # the same on every rank: the sums were reduced
             pairs = zip(items, on_policy, strict=True)
             sampled = [item.batch.policy_version for item, on in pairs if on]
             (version,) = collectives.max_over_ranks([max(sampled, default=-1.0)], self.device)
-            metrics["mismatch_version"] = int(version)
+            metrics["mismatch_version"] = mismatch_version = int(version)
         oldest = min((item.batch.policy_version for item in items), default=None)
         lag = self.batches.policy_lag(oldest) if oldest is not None else None
         tokens = metrics.pop("tokens")
         self.telemetry.update(
-            step=state.step,
-            **metrics,
-            tokens_per_s=tokens / seconds,
-            step_seconds=seconds,
-            **({"last_policy_lag": lag} if lag is not None else {}),
+            Heartbeat(
+                step=state.step,
+                loss=metrics.get("loss"),
+                kl=metrics.get("kl"),
+                entropy=metrics.get("entropy"),
+                clip_fraction=metrics.get("clip_fraction"),
+                grad_norm=metrics["grad_norm"],
+                lr=metrics["lr"],
+                mismatch_kl=metrics.get("mismatch_kl"),
+                mismatch_max=metrics.get("mismatch_max"),
+                mismatch_version=mismatch_version,
+                tokens_per_s=tokens / seconds,
+                step_seconds=seconds,
+                last_policy_lag=lag,
+            )
         )
         log.info(
             "step",
@@ -546,7 +560,7 @@ class Trainer(ForgeEngine):
             retried=",".join(item.entry_id for item in kept),
             skipped_steps=self.skipped_steps,
         )
-        self.telemetry.update(skipped_steps=self.skipped_steps)
+        self.telemetry.update(Heartbeat(skipped_steps=self.skipped_steps))
 
     def _checkpoint_bytes(self) -> int:
         """About the bytes one resume checkpoint takes: model and optimizer tensors."""
@@ -582,17 +596,19 @@ class Trainer(ForgeEngine):
     def _report(self, force: bool = False) -> None:
         snapshots = self.snapshots
         self.telemetry.update(
-            stale_dropped=self.batches.stale_dropped,
-            dead_lettered=self.batches.dead_lettered,
-            already_applied=self.batches.already_applied,
-            publish_skipped=self.publish_skipped,
-            skipped_steps=self.skipped_steps,
-            checkpoint_failures=self.resume_checkpoints.failures,
-            snapshots_written=snapshots.written,
-            snapshots_skipped_no_space=snapshots.skipped_no_space,
-            last_snapshot=snapshots.last_path,
-            snapshot_stage_seconds=snapshots.stage_seconds,
-            snapshot_write_seconds=snapshots.write_seconds,
+            Heartbeat(
+                stale_dropped=self.batches.stale_dropped,
+                dead_lettered=self.batches.dead_lettered,
+                already_applied=self.batches.already_applied,
+                publish_skipped=self.publish_skipped,
+                skipped_steps=self.skipped_steps,
+                checkpoint_failures=self.resume_checkpoints.failures,
+                snapshots_written=snapshots.written,
+                snapshots_skipped_no_space=snapshots.skipped_no_space,
+                last_snapshot=snapshots.last_path,
+                snapshot_stage_seconds=snapshots.stage_seconds,
+                snapshot_write_seconds=snapshots.write_seconds,
+            )
         )
         self.telemetry.heartbeat(force=force)
 

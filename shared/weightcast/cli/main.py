@@ -129,19 +129,19 @@ def _run(args: argparse.Namespace, config: Config) -> int:
         from weightcast.cli.follow import run_follow
 
         return run_follow(config)
-    from weightcast.cli.status import collect_status, format_status, watch
+    from weightcast.cli.status import Status, collect_status, format_status, watch
     from weightcast.contract.keys import Keys
     from weightcast.runtime.retry import Outage
 
     client = redis_client(config.common.redis_url)
     keys = Keys(config.common.namespace)
 
-    def read() -> dict:
+    def read() -> Status:
         return collect_status(client, keys, config.follow.stale_seconds)
 
     if args.watch is not None:
         outage = Outage(budget=config.common.redis_retry_seconds, cap=max(args.watch, 2.0))
         return watch(read, args.watch, args.json, outage=outage)
     status = read()
-    print(json.dumps(status, indent=1) if args.json else format_status(status))
+    print(json.dumps(status.as_json(), indent=1) if args.json else format_status(status))
     return 0

@@ -9,19 +9,24 @@ field it writes) and the batch stream's depths. ``--watch`` rides out a Redis ou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TextIO
 
 import redis
 
+from weightcast.contract.errors import RecordError, WeightsError
+from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.nodes import NodeReport
-from weightcast.contract.untrusted import json_object
+from weightcast.contract.quarantine import QuarantineRecord
+from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.retry import REDIS_DOWN, Outage
 
 HEARTBEAT_FIGURES = (
@@ -43,32 +48,110 @@ CLEAR = "\x1b[H\x1b[2J"
 """Cursor home and clear screen: ``--watch`` redraws in place."""
 
 
-def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0) -> dict[str, Any]:
-    """Versions with their leases, nodes, trainer heartbeat and queue depths."""
+@dataclass(frozen=True)
+class VersionRow:
+    """A live version and who leases it."""
+
+    version: int
+    step: int
+    age_s: float
+    bytes: int
+    tp: int
+    layout: str
+    path: str
+    leases: dict[str, float]
+    """Reader id -> seconds its lease has left."""
+    error: str = ""
+    """Why its registry entry is unreadable (step -1, the other figures 0); empty if it is not."""
+
+
+@dataclass(frozen=True)
+class NodeRow:
+    """An inference node's last report, and whether it is stale."""
+
+    version: int
+    age_s: float
+    behind: int
+    """Versions between latest and the one it serves."""
+    stale: str
+    """Why the row is stale (no recent report, its version evicted); empty if it is not."""
+    error: str
+    via: str
+    read_bytes: int
+
+
+@dataclass(frozen=True)
+class QuarantineRow:
+    snapshot: str
+    step: int | None
+    reason: str
+    age_s: float
+
+
+@dataclass(frozen=True)
+class PublisherStatus:
+    leader: str | None
+    """The holder of the publisher lock; None when no one holds it."""
+    quarantined: list[QuarantineRow]
+    """Newest first."""
+
+
+@dataclass(frozen=True)
+class TrainerStatus:
+    heartbeat: Heartbeat | None
+    """None before the first heartbeat, or when it is unreadable (``error``)."""
+    age_s: float | None = None
+    error: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        """Every field the trainer wrote, as text (its own fields too), with ``age_s`` for
+        ``at``; or the ``error``."""
+        if self.error:
+            return {"error": self.error}
+        if self.heartbeat is None:
+            return {}
+        fields: dict[str, Any] = self.heartbeat.encode() | dict(self.heartbeat.other)
+        fields.pop("at", None)
+        return fields if self.age_s is None else fields | {"age_s": self.age_s}
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    length: int
+    pending: int
+    undelivered: int | None
+    """Entries not yet delivered to the trainer group (None: no group yet)."""
+    dead_letters: int
+
+
+@dataclass(frozen=True)
+class Status:
+    """One read of the deployment (:func:`collect_status`); ``--json`` prints
+    :meth:`as_json`."""
+
+    namespace: str
+    latest: int
+    latest_age_s: float | None
+    versions: list[VersionRow]
+    nodes: dict[str, NodeRow]
+    publisher: PublisherStatus
+    trainer: TrainerStatus
+    stream: StreamStatus
+
+    def as_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"trainer": self.trainer.as_json()}
+
+
+def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0) -> Status:
+    """Versions with their leases, nodes, trainer heartbeat and queue depths; each record
+    read through its contract type, an unreadable one shown with the reason."""
     now = time.time()
-    now_ms = now * 1000
-    versions = []
-    for raw in client.zrange(keys.versions, 0, -1):
-        number = int(raw)
-        fields = {k.decode(): v.decode() for k, v in client.hgetall(keys.version(number)).items()}
-        leases = {
-            node.decode(): round((expiry - now_ms) / 1000, 1)
-            for node, expiry in client.zrange(keys.leases(number), 0, -1, withscores=True)
-            if expiry > now_ms
-        }
-        versions.append(
-            {
-                "version": number,
-                "step": int(fields.get("step", -1)),
-                "age_s": round(now - float(fields.get("created_at", now)), 1),
-                "bytes": int(fields.get("bytes", 0)),
-                "tp": int(fields.get("tp", 1)),
-                "layout": fields.get("layout", ""),
-                "path": fields.get("path", ""),
-                "leases": leases,
-            }
-        )
-    live = {v["version"] for v in versions}
+    versions = [
+        row
+        for raw in client.zrange(keys.versions, 0, -1)
+        if (row := _version_row(client, keys, int(raw), now)) is not None
+    ]
+    live = {v.version for v in versions}
     latest = int(client.get(keys.latest) or 0)
     nodes = {}
     for node, value in client.hgetall(keys.nodes).items():
@@ -82,140 +165,156 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
             stale.append(f"no report for {age:.0f}s")
         if report.version not in live:
             stale.append(f"v{report.version} was evicted")
-        nodes[node.decode(errors="replace")] = {
-            "version": report.version,
-            "age_s": age,
-            "behind": max(0, latest - report.version),
-            "stale": "; ".join(stale),
-            "error": report.error,
-            "via": report.via,
-            "read_bytes": report.read_bytes,
-        }
-    heartbeat: dict[str, Any] = {
-        k.decode(): v.decode() for k, v in client.hgetall(keys.trainer_heartbeat).items()
-    }
-    if "at" in heartbeat:
-        heartbeat["age_s"] = round(now - float(heartbeat.pop("at")), 1)
-    latest_info = next((v for v in versions if v["version"] == latest), None)
-    return {
-        "namespace": keys.namespace,
-        "latest": latest,
-        "latest_age_s": latest_info["age_s"] if latest_info else None,
-        "versions": versions,
-        "nodes": nodes,
-        "publisher": _publisher_status(client, keys, now),
-        "trainer": heartbeat,
-        "stream": _stream_status(client, keys),
-    }
+        nodes[node.decode(errors="replace")] = NodeRow(
+            report.version,
+            age,
+            max(0, latest - report.version),
+            "; ".join(stale),
+            report.error,
+            report.via,
+            report.read_bytes,
+        )
+    latest_row = next((v for v in versions if v.version == latest and not v.error), None)
+    return Status(
+        keys.namespace,
+        latest,
+        latest_row.age_s if latest_row else None,
+        versions,
+        nodes,
+        _publisher_status(client, keys, now),
+        _trainer_status(client, keys, now),
+        _stream_status(client, keys),
+    )
 
 
-def _publisher_status(client: redis.Redis, keys: Keys, now: float) -> dict[str, Any]:
+def _version_row(client: redis.Redis, keys: Keys, number: int, now: float) -> VersionRow | None:
+    """A live version's row; None when it was evicted since the live set was read."""
+    raw = client.hgetall(keys.version(number))
+    if not raw:
+        return None
+    now_ms = now * 1000
+    leases = {
+        node.decode(errors="replace"): round((expiry - now_ms) / 1000, 1)
+        for node, expiry in client.zrange(keys.leases(number), 0, -1, withscores=True)
+        if expiry > now_ms
+    }
+    try:
+        info = VersionInfo.from_fields(number, raw)
+    except WeightsError as exc:  # not what a publisher writes
+        return VersionRow(number, -1, 0.0, 0, 0, "", "", leases, f"unreadable entry: {exc}")
+    age = round(now - info.created_at, 1)
+    return VersionRow(number, info.step, age, info.bytes, info.tp, info.layout, info.path, leases)
+
+
+def _trainer_status(client: redis.Redis, keys: Keys, now: float) -> TrainerStatus:
+    raw = client.hgetall(keys.trainer_heartbeat)
+    if not raw:
+        return TrainerStatus(None)
+    try:
+        beat = Heartbeat.parse(raw)
+    except RecordError as exc:  # not what a trainer writes
+        return TrainerStatus(None, error=f"unreadable {keys.trainer_heartbeat}: {exc}")
+    return TrainerStatus(beat, None if beat.at is None else round(now - beat.at, 1))
+
+
+def _publisher_status(client: redis.Redis, keys: Keys, now: float) -> PublisherStatus:
     """The leader lock's holder and every quarantined snapshot with its reason, newest first."""
     leader = client.get(keys.publisher_leader)
     quarantined = []
     for name, value in client.hgetall(keys.quarantine).items():
         try:
-            entry = json_object(value, "its entry", ValueError)
-            at = float(entry.get("at", now))
-        except (ValueError, TypeError) as exc:  # not what a publisher writes
-            entry, at = {"reason": f"unreadable entry in {keys.quarantine}: {exc}"}, now
+            record = QuarantineRecord.parse(value)
+        except RecordError as exc:  # not what a publisher writes
+            record = QuarantineRecord(
+                f"unreadable entry in {keys.quarantine}: {exc}", None, "", now
+            )
+        snapshot = name.decode(errors="replace")
         quarantined.append(
-            {
-                "snapshot": name.decode(errors="replace"),
-                "step": entry.get("step"),
-                "reason": str(entry.get("reason", "")),
-                "age_s": round(now - at, 1),
-            }
+            QuarantineRow(snapshot, record.step, record.reason, round(now - record.at, 1))
         )
-    quarantined.sort(key=lambda q: q["age_s"])
-    return {"leader": leader.decode() if leader else None, "quarantined": quarantined}
+    quarantined.sort(key=lambda q: q.age_s)
+    return PublisherStatus(leader.decode(errors="replace") if leader else None, quarantined)
 
 
-def _stream_status(client: redis.Redis, keys: Keys) -> dict[str, Any]:
-    status = {
-        "length": client.xlen(keys.batches),
-        "pending": 0,
-        "undelivered": None,
-        "dead_letters": client.xlen(keys.dead_letters),
-    }
+def _stream_status(client: redis.Redis, keys: Keys) -> StreamStatus:
+    length, dead_letters = client.xlen(keys.batches), client.xlen(keys.dead_letters)
     try:
         groups = client.xinfo_groups(keys.batches)
     except redis.ResponseError:  # no stream yet
-        return status
+        return StreamStatus(length, 0, None, dead_letters)
     for group in groups:
         if group["name"].decode() == TRAINER_GROUP:
-            status["pending"] = group["pending"]
-            status["undelivered"] = group.get("lag")
-    return status
+            return StreamStatus(length, group["pending"], group.get("lag"), dead_letters)
+    return StreamStatus(length, 0, None, dead_letters)
 
 
-def format_status(status: dict[str, Any]) -> str:
+def format_status(status: Status) -> str:
     """A readable table of :func:`collect_status`'s answer."""
-    age = status["latest_age_s"]
-    latest = f"{status['latest'] or '-'}" + (f" ({age}s old)" if age is not None else "")
-    lines = [f"namespace {status['namespace']}   latest version: {latest}", ""]
+    age = status.latest_age_s
+    latest = f"{status.latest or '-'}" + (f" ({age}s old)" if age is not None else "")
+    lines = [f"namespace {status.namespace}   latest version: {latest}", ""]
     lines.append(f"{'version':>7} {'step':>6} {'age':>8} {'size':>10} {'tp':>3}  leases")
-    for v in status["versions"]:
-        leases = ", ".join(f"{n} ({s}s left)" for n, s in v["leases"].items()) or "-"
+    for v in status.versions:
+        leases = ", ".join(f"{n} ({s}s left)" for n, s in v.leases.items()) or "-"
+        if v.error:
+            lines.append(f"{v.version:>7}  {v.error}; leases: {leases}")
+            continue
         lines.append(
-            f"{v['version']:>7} {v['step']:>6} {v['age_s']:>7}s "
-            f"{_size(v['bytes']):>10} {v['tp']:>3}  {leases}"
+            f"{v.version:>7} {v.step:>6} {v.age_s:>7}s {_size(v.bytes):>10} {v.tp:>3}  {leases}"
         )
-    if not status["versions"]:
+    if not status.versions:
         lines.append("   (no live versions)")
     lines += ["", "nodes:"]
-    for node, n in sorted(status["nodes"].items()):
-        behind = f", {n['behind']} behind latest" if n["behind"] else ""
-        stale = f"  STALE: {n['stale']}" if n["stale"] else ""
-        error = f"  ERROR: {n['error']}" if n["error"] else ""
-        via = f", by {n['via']}: {_size(n['read_bytes'])} read" if n["via"] else ""
-        lines.append(
-            f"  {node}: v{n['version']} (reported {n['age_s']}s ago{behind}{via}){stale}{error}"
-        )
-    if not status["nodes"]:
+    for node, n in sorted(status.nodes.items()):
+        behind = f", {n.behind} behind latest" if n.behind else ""
+        stale = f"  STALE: {n.stale}" if n.stale else ""
+        error = f"  ERROR: {n.error}" if n.error else ""
+        via = f", by {n.via}: {_size(n.read_bytes)} read" if n.via else ""
+        lines.append(f"  {node}: v{n.version} (reported {n.age_s}s ago{behind}{via}){stale}{error}")
+    if not status.nodes:
         lines.append("  (none)")
-    publisher = status["publisher"]
-    lines += ["", f"publisher: leader {publisher['leader'] or '- (none holds the lock)'}"]
-    for q in publisher["quarantined"]:
-        lines.append(f"  quarantined {q['snapshot']} ({q['age_s']}s ago): {q['reason']}")
-    lines += ["", "trainer: " + _format_heartbeat(status["trainer"])]
-    s = status["stream"]
+    publisher = status.publisher
+    lines += ["", f"publisher: leader {publisher.leader or '- (none holds the lock)'}"]
+    for q in publisher.quarantined:
+        lines.append(f"  quarantined {q.snapshot} ({q.age_s}s ago): {q.reason}")
+    lines += ["", "trainer: " + _format_heartbeat(status.trainer)]
+    s = status.stream
     lines.append(
-        f"batches: {s['length']} in stream, {s['undelivered'] or 0} undelivered, "
-        f"{s['pending']} pending, {s['dead_letters']} dead-lettered"
+        f"batches: {s.length} in stream, {s.undelivered or 0} undelivered, "
+        f"{s.pending} pending, {s.dead_letters} dead-lettered"
     )
     return "\n".join(lines)
 
 
-def _format_heartbeat(heartbeat: dict[str, Any]) -> str:
-    if not heartbeat:
-        return "no heartbeat yet"
+def _format_heartbeat(trainer: TrainerStatus) -> str:
+    beat = trainer.heartbeat
+    if beat is None:
+        return trainer.error or "no heartbeat yet"
     known = [
-        f"step {heartbeat['step']}" if "step" in heartbeat else "",
-        f"run {heartbeat['run_id']}" if "run_id" in heartbeat else "",
-        f"consumer {heartbeat['consumer']}" if "consumer" in heartbeat else "",
-        f"last snapshot {heartbeat.get('last_snapshot') or '-'}",
+        f"step {beat.step}" if beat.step is not None else "",
+        f"run {beat.run_id}" if beat.run_id is not None else "",
+        f"consumer {beat.consumer}" if beat.consumer is not None else "",
+        f"last snapshot {beat.last_snapshot or '-'}",
     ]
-    figures = [f"{k} {_rounded(heartbeat[k])}" for k in HEARTBEAT_FIGURES if k in heartbeat]
-    if heartbeat.get("last_checkpoint_error"):
-        figures.append(f"checkpoint error: {heartbeat['last_checkpoint_error']}")
-    age = f"heartbeat {heartbeat['age_s']}s ago" if "age_s" in heartbeat else ""
+    written = dict(beat.values())
+    figures = [f"{k} {_rounded(written[k])}" for k in HEARTBEAT_FIGURES if k in written]
+    if beat.last_checkpoint_error:
+        figures.append(f"checkpoint error: {beat.last_checkpoint_error}")
+    age = f"heartbeat {trainer.age_s}s ago" if trainer.age_s is not None else ""
     return ", ".join(part for part in (*known, age) if part) + (
         "\n         " + ", ".join(figures) if figures else ""
     )
 
 
-def _rounded(value: str) -> str:
-    """A heartbeat figure to four significant digits (whole from 1000 on); text as it is."""
-    try:
-        number = float(value)
-    except ValueError:
-        return value
-    return f"{number:.0f}" if number.is_integer() or abs(number) >= 1000 else f"{number:.4g}"
+def _rounded(value: int | float | str) -> str:
+    """A heartbeat figure to four significant digits (whole from 1000 on)."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.0f}" if value.is_integer() or abs(value) >= 1000 else f"{value:.4g}"
 
 
 def watch(
-    read: Callable[[], dict[str, Any]],
+    read: Callable[[], Status],
     every: float,
     as_json: bool,
     out: TextIO = sys.stdout,
@@ -245,7 +344,7 @@ def watch(
                 continue
             outage.recovered()
             if as_json:
-                out.write(json.dumps(status) + "\n")
+                out.write(json.dumps(status.as_json()) + "\n")
             else:
                 stamp = time.strftime("%H:%M:%S")
                 out.write(

@@ -1,6 +1,7 @@
-"""The registry's replies about a version, as a node receives them: the version's hash if it
-is still live, or :class:`VersionGone`. The hash itself is parsed by
-:class:`~weightcast.contract.version_info.VersionInfo`."""
+"""The registry's reply about a version, as a node receives it: the version's hash if it is
+still live, or :class:`VersionGone`. The hash itself is parsed by
+:class:`~weightcast.contract.version_info.VersionInfo`; the lease script's reply by
+:class:`~weightcast.contract.leases.Leases`."""
 
 from __future__ import annotations
 
@@ -15,10 +16,3 @@ def live_info(version: int, raw: Mapping[bytes, bytes], score: float | None) -> 
     if not raw or score is None:
         raise VersionGone(f"version {version} is not live")
     return VersionInfo.from_fields(version, raw)
-
-
-def leased_info(version: int, reply: list[bytes] | None) -> VersionInfo:
-    """The lease script's reply: the version's hash as a flat list, or nothing if evicted."""
-    if not reply:
-        raise VersionGone(f"version {version} is no longer live")
-    return VersionInfo.from_fields(version, dict(zip(reply[::2], reply[1::2], strict=True)))

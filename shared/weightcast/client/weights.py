@@ -5,10 +5,10 @@ reports) here, the file side in :class:`~weightcast.client.reader.VersionReader`
 verified, per-rank reads). :class:`AsyncWeightsClient` runs the same client's calls in worker
 threads, so asyncio servers get the same behaviour without blocking their loop.
 
-A lease is a member of ``{wc}:weights:leases:<N>`` scored with its expiry; the publisher
-never evicts a version with a live lease. The lease is taken by a script that first checks
-the version is still live, so a reader either holds a version that stays on disk or learns
-at once that it is gone. A thread renews the lease while it is held.
+A lease (:mod:`weightcast.contract.leases`, the protocol the publisher's eviction keeps) is
+taken by a script that first checks the version is still live, so a reader either holds a
+version that stays on disk or learns at once that it is gone. A thread renews the lease
+while it is held.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import torch
 
 from weightcast.client.identity import default_node_id
 from weightcast.client.reader import VersionReader
-from weightcast.client.versions import leased_info, live_info
+from weightcast.client.versions import live_info
 from weightcast.contract.errors import VersionGone, WeightsError
 from weightcast.contract.keys import Keys
+from weightcast.contract.leases import Leases
 from weightcast.contract.manifest import Manifest
 from weightcast.contract.nodes import NodeReport
 from weightcast.contract.version_info import VersionInfo
@@ -37,14 +38,6 @@ from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN
 
 log = get_logger("weights")
-
-_LEASE = """
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return false end
-local t = redis.call('TIME')
-local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[2], now_ms + tonumber(ARGV[3]), ARGV[2])
-return redis.call('HGETALL', KEYS[3])
-"""
 
 STOP_CHECK_S = 0.25
 """How often a wait that can be stopped from another thread looks at its stop event."""
@@ -80,7 +73,7 @@ class WeightsClient:
         self.node_id = node_id or default_node_id()
         self.files = VersionReader(weights_root, verified_dir, keep_base)
         self.lease_ms = int(lease_seconds * 1000)
-        self._lease = self.redis.register_script(_LEASE)
+        self.leases = Leases(self.redis, self.keys)
 
     def latest(self) -> int:
         """The newest published version, 0 when none yet."""
@@ -137,10 +130,7 @@ class WeightsClient:
 
     def _take_lease(self, version: int) -> VersionInfo:
         """Add or renew this node's lease on ``version``; the version's registry entry."""
-        keys = [self.keys.versions, self.keys.leases(version), self.keys.version(version)]
-        return leased_info(
-            version, self._lease(keys=keys, args=[version, self.node_id, self.lease_ms])
-        )
+        return self.leases.take(version, self.node_id, self.lease_ms)
 
     def manifest(self, version: int | VersionInfo) -> Manifest:
         """The manifest, checked against the digest the registry recorded."""
@@ -206,7 +196,7 @@ class Lease:
         self._stop.set()
         self._renewer.join()
         try:
-            self.client.redis.zrem(self.client.keys.leases(self.info.version), self.client.node_id)
+            self.client.leases.release(self.info.version, self.client.node_id)
         except REDIS_DOWN as exc:
             log.warning(
                 "could not remove the lease; it expires by itself",

@@ -30,6 +30,12 @@ class WeightsError(WeightcastError, ValueError):
     problem (bad path, manifest, header, digest or shape)."""
 
 
+class RecordError(WeightcastError, ValueError):
+    """A Redis record (an event, the heartbeat, a quarantine record) that is not what its
+    writer writes: the message names the record and the field. Anyone with access to Redis
+    can write one."""
+
+
 class VersionGone(WeightcastError, LookupError):
     """The version was evicted before a lease could be taken; ask for the latest again."""
 

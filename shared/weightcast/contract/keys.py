@@ -66,7 +66,8 @@ class Keys:
 
     @property
     def events(self) -> str:
-        """Pub/sub channel of JSON ``published`` / ``evicted`` events."""
+        """Pub/sub channel of the :mod:`~weightcast.contract.events` (``published``,
+        ``evicted``), as JSON."""
         return f"{self.tag}:weights:events"
 
     @property
@@ -82,7 +83,8 @@ class Keys:
 
     @property
     def quarantine(self) -> str:
-        """Hash snapshot id (or directory name) -> JSON ``{"reason", "step", "path", "at"}``."""
+        """Hash snapshot id (or directory name) -> a
+        :class:`~weightcast.contract.quarantine.QuarantineRecord` as JSON."""
         return f"{self.tag}:weights:quarantine"
 
     @property
@@ -97,7 +99,8 @@ class Keys:
 
     @property
     def trainer_heartbeat(self) -> str:
-        """Hash the trainer refreshes every step (step, run id, consumer, last snapshot)."""
+        """Hash the trainer refreshes every step: a
+        :class:`~weightcast.contract.heartbeat.Heartbeat`."""
         return f"{self.tag}:trainer:heartbeat"
 
     @property
@@ -112,7 +115,8 @@ class Keys:
         return f"{self.tag}:trainer:running"
 
     def version(self, number: int) -> str:
-        """Hash describing version ``number``."""
+        """Hash describing version ``number``: a
+        :class:`~weightcast.contract.version_info.VersionInfo`."""
         return f"{self.tag}:weights:v:{number}"
 
     def leases(self, number: int) -> str:

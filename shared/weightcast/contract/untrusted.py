@@ -2,13 +2,16 @@
 value): whatever it holds ends in the caller's error naming it, never in an exception the
 caller did not expect (JSON nested deeper than Python's recursion limit raises
 ``RecursionError``, not ``ValueError``). :class:`Fields` then reads each field of an object
-with its type and bounds checked."""
+with its type and bounds checked; :class:`HashFields` does the same for a Redis hash, whose
+values are all text."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import reprlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -33,14 +36,25 @@ class Fields:
     bytes or a list where it hashes a name. Fields it does not know are refused."""
 
     def __init__(
-        self, raw: object, where: str, error: type[Exception], known: Iterable[str]
+        self,
+        raw: object,
+        where: str,
+        error: type[Exception],
+        known: Iterable[str],
+        record: str = "",
     ) -> None:
-        self.where, self.error = where, error
+        """``record``: the name of the whole object (``the quarantine record``), which every
+        message then starts with; ``where`` is the path of ``raw`` inside it."""
+        self.where, self.error, self.record = where, error, record
         if not isinstance(raw, dict):
-            raise error(f"{where or 'it'} is {shown(raw)}, not an object")
+            raise self.fail(f"{where or 'it'} is {shown(raw)}, not an object")
         if unknown := sorted(set(raw) - set(known)):
-            raise error(f"{where or 'it'} has unknown fields {shown(unknown)}")
+            raise self.fail(f"{where or 'it'} has unknown fields {shown(unknown)}")
         self.raw: dict[str, Any] = raw
+
+    def fail(self, message: str) -> Exception:
+        """The error to raise, saying ``message`` (of the record, when named)."""
+        return self.error(f"{self.record}: {message}" if self.record else message)
 
     def path(self, name: str) -> str:
         return f"{self.where}.{name}" if self.where else name
@@ -50,15 +64,26 @@ class Fields:
         if name in self.raw:
             return self.raw[name]
         if default is _MISSING:
-            raise self.error(f"lacks {self.path(name)!r}")
+            raise self.fail(f"lacks {self.path(name)!r}")
         return default
 
     def integer(self, name: str, minimum: int = 0, default: Any = _MISSING) -> int:
         """An integer ``>= minimum`` (not a float, not a bool)."""
         value = self.value(name, default)
         if not _is_integer(value, minimum):
-            raise self.error(f"{self.path(name)} is {shown(value)}, not an integer >= {minimum}")
+            raise self.fail(f"{self.path(name)} is {shown(value)}, not an integer >= {minimum}")
         return value
+
+    def number(self, name: str, default: Any = _MISSING) -> float:
+        """A finite number, integer or not (not a bool)."""
+        value = self.value(name, default)
+        try:
+            number = float(value) if type(value) in (int, float) else math.nan
+        except OverflowError:  # an integer of hundreds of digits
+            number = math.nan
+        if not math.isfinite(number):
+            raise self.fail(f"{self.path(name)} is {shown(value)}, not a finite number")
+        return number
 
     def optional_integer(self, name: str, minimum: int = 0) -> int | None:
         if self.value(name, None) is None:
@@ -69,7 +94,7 @@ class Fields:
         """A list of integers ``>= minimum``."""
         value = self.value(name)
         if not isinstance(value, list) or not all(_is_integer(v, minimum) for v in value):
-            raise self.error(
+            raise self.fail(
                 f"{self.path(name)} is {shown(value)}, not a list of integers >= {minimum}"
             )
         return value
@@ -83,9 +108,9 @@ class Fields:
         """A string, one of ``choices`` when given."""
         value = self.value(name)
         if not isinstance(value, str):
-            raise self.error(f"{self.path(name)} is {shown(value)}, not a string")
+            raise self.fail(f"{self.path(name)} is {shown(value)}, not a string")
         if choices is not None and value not in choices:
-            raise self.error(
+            raise self.fail(
                 f"{self.path(name)} is {value!r}, not one of {', '.join(sorted(choices))}"
             )
         return value
@@ -98,20 +123,20 @@ class Fields:
     def texts(self, name: str) -> list[str]:
         value = self.value(name)
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise self.error(f"{self.path(name)} is {shown(value)}, not a list of strings")
+            raise self.fail(f"{self.path(name)} is {shown(value)}, not a list of strings")
         return value
 
     def flag(self, name: str, default: bool) -> bool:
         value = self.value(name, default)
         if not isinstance(value, bool):
-            raise self.error(f"{self.path(name)} is {shown(value)}, not true or false")
+            raise self.fail(f"{self.path(name)} is {shown(value)}, not true or false")
         return value
 
     def items(self, name: str) -> list[Any]:
         """A list, whose items the caller reads."""
         value = self.value(name)
         if not isinstance(value, list):
-            raise self.error(f"{self.path(name)} is {shown(value)}, not a list")
+            raise self.fail(f"{self.path(name)} is {shown(value)}, not a list")
         return value
 
 
@@ -123,3 +148,66 @@ def shown(value: object) -> str:
     """``repr(value)``, cut short and shallow: a hostile field may be a list of a million
     items, or nested deep."""
     return reprlib.repr(value)
+
+
+class HashFields:
+    """A Redis hash from outside, read one typed field at a time. Every value is text, so a
+    count must be plain decimal digits (``int`` also takes ``1_0``, `` 7 `` and other
+    scripts' digits) and a number what ``repr(float)`` writes; a missing field or a value
+    that is not its kind is ``error`` naming ``what`` and the field. Fields nobody asks for
+    are left alone (a newer writer may add some): :meth:`unread` has them."""
+
+    def __init__(
+        self, raw: Mapping[bytes | str, bytes | str], what: str, error: type[Exception]
+    ) -> None:
+        self.what, self.error = what, error
+        self.raw = {_decoded(k): _decoded(v) for k, v in raw.items()}
+        self._read: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.raw
+
+    def text(self, name: str, default: Any = _MISSING) -> str:
+        self._read.add(name)
+        if name in self.raw:
+            return self.raw[name]
+        if default is _MISSING:
+            raise self.error(f"{self.what} has no {name!r}")
+        return default
+
+    def integer(self, name: str, default: Any = _MISSING, signed: bool = False) -> int:
+        """Decimal digits (a ``-`` first when ``signed``), at most 19 of them."""
+        return self._parse(name, default, "int", _SIGNED if signed else _DIGITS, int)
+
+    def number(self, name: str, default: Any = _MISSING, finite: bool = True) -> float:
+        """A decimal number; ``nan`` and ``inf`` too unless ``finite``."""
+        return self._parse(name, default, "float", _FINITE if finite else _NUMBER, float)
+
+    def flag(self, name: str, default: bool) -> bool:
+        """``1`` or ``0``."""
+        return bool(self._parse(name, default, "flag (0 or 1)", _FLAG, int))
+
+    def unread(self) -> dict[str, str]:
+        """The fields no call has asked for."""
+        return {k: v for k, v in self.raw.items() if k not in self._read}
+
+    def _parse(
+        self, name: str, default: Any, kind: str, pattern: re.Pattern[str], make: Any
+    ) -> Any:
+        text = self.text(name, None if default is not _MISSING else _MISSING)
+        if text is None:
+            return default
+        if not pattern.fullmatch(text):
+            raise self.error(f"{self.what}: {name} is {text!r}, not a {kind}")
+        return make(text)
+
+
+_DIGITS = re.compile(r"[0-9]{1,19}")
+_SIGNED = re.compile(r"-?[0-9]{1,19}")
+_FLAG = re.compile(r"[01]")
+_FINITE = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_NUMBER = re.compile(rf"{_FINITE.pattern}|-?inf|nan")
+
+
+def _decoded(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -1,21 +1,23 @@
-"""A version as the registry describes it (``{wc}:weights:v:<N>``), parsed once, strictly.
+"""A version as the registry describes it (``{wc}:weights:v:<N>``), parsed once, strictly,
+and the name of its directory.
 
-The hash comes from Redis, so a node checks it like any other input: a hash without
-``path``, a count that is not plain decimal digits (no sign, ``_``, spaces or other
-scripts' digits), a ``tp`` below 1, a ``created_at`` that is not a finite number or a
-``manifest_sha256`` that is not 64 hex digits is a :class:`WeightsError` naming the field,
-which a node logs and skips like any other bad version.
+The publisher writes the hash (:meth:`VersionInfo.as_fields`); nodes, the trainer,
+``weightcast status`` and ``weightcast up`` read it (:meth:`VersionInfo.from_fields`). It
+comes from Redis, so every reader checks it like any other input: a hash without ``path``, a
+count that is not plain decimal digits (no sign, ``_``, spaces or other scripts' digits), a
+``tp`` below 1, a ``created_at`` that is not a finite number or a ``manifest_sha256`` that is
+not 64 hex digits is a :class:`WeightsError` naming the field, which a node logs and skips
+like any other bad version.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from weightcast.contract.errors import WeightsError
+from weightcast.contract.untrusted import HashFields
 
 
 @dataclass(frozen=True)
@@ -37,31 +39,43 @@ class VersionInfo:
     manifest_sha256: str
     run_id: str
     created_at: float
+    """Unix time of the registration."""
     delta_from: int = 0
     """The version whose delta was written beside this one (0: none, or an older publisher)."""
     delta_bytes: int = 0
     """The size of that delta."""
+    snapshot_id: str = ""
+    """The snapshot the version was converted from (empty: not said)."""
+    snapshot_created_at: float = 0.0
+    """When the trainer wrote that snapshot (0: not said)."""
+    per_rank_files: bool = False
+    """One file per tensor-parallel rank rather than one fused file."""
+    hf_path: str = ""
+    """The HF copy of the ``both`` layout (``v17/hf``); empty without one."""
 
     @classmethod
     def from_fields(cls, version: int, raw: Mapping[bytes | str, bytes | str]) -> VersionInfo:
-        """Parse a registry hash (as redis-py returns it, or :meth:`as_fields`' output)."""
-        fields = {_text(k): _text(v) for k, v in raw.items()}
-        values: dict[str, object] = {"version": version}
-        for item in dataclasses.fields(cls):
-            if item.name == "version":
-                continue
-            if item.name not in fields and item.default is not dataclasses.MISSING:
-                continue  # written from format 3 on; older entries have none
-            if item.name not in fields:
-                raise WeightsError(f"registry entry of version {version} has no {item.name!r}")
-            try:
-                values[item.name] = _KINDS[item.type](fields[item.name])  # type: ignore[index]
-            except ValueError:
-                raise WeightsError(
-                    f"registry entry of version {version}: {item.name} is "
-                    f"{fields[item.name]!r}, not a {item.type}"
-                ) from None
-        info = cls(**values)  # type: ignore[arg-type]
+        """Parse a registry hash (as redis-py returns it, or :meth:`as_fields`' output).
+        Fields from ``delta_from`` on are optional: older publishers wrote none of them."""
+        fields = HashFields(raw, f"registry entry of version {version}", WeightsError)
+        info = cls(
+            version,
+            fields.text("path"),
+            fields.integer("step"),
+            fields.text("layout"),
+            fields.integer("tp"),
+            fields.text("dtype"),
+            fields.integer("bytes"),
+            fields.text("manifest_sha256"),
+            fields.text("run_id"),
+            fields.number("created_at"),
+            fields.integer("delta_from", 0),
+            fields.integer("delta_bytes", 0),
+            fields.text("snapshot_id", ""),
+            fields.number("snapshot_created_at", 0.0),
+            fields.flag("per_rank_files", False),
+            fields.text("hf_path", ""),
+        )
         if not info.path or not _SHA256.fullmatch(info.manifest_sha256):
             raise WeightsError(
                 f"registry entry of version {version} needs a path and a 64-digit manifest_sha256"
@@ -76,29 +90,42 @@ class VersionInfo:
         return info
 
     def as_fields(self) -> dict[str, str]:
-        """The hash as strings: what :meth:`from_fields` reads (JSON- and RPC-friendly)."""
-        return {k: str(v) for k, v in dataclasses.asdict(self).items() if k != "version"}
+        """The hash as the publisher writes it, all text: what :meth:`from_fields` reads
+        (JSON- and RPC-friendly). ``hf_path`` only when there is an HF copy."""
+        fields = {
+            "path": self.path,
+            "step": str(self.step),
+            "layout": self.layout,
+            "tp": str(self.tp),
+            "dtype": self.dtype,
+            "bytes": str(self.bytes),
+            "manifest_sha256": self.manifest_sha256,
+            "run_id": self.run_id,
+            "snapshot_id": self.snapshot_id,
+            "snapshot_created_at": repr(float(self.snapshot_created_at)),
+            "per_rank_files": str(int(self.per_rank_files)),
+            "delta_from": str(self.delta_from),
+            "delta_bytes": str(self.delta_bytes),
+        }
+        if self.hf_path:
+            fields["hf_path"] = self.hf_path
+        return fields | {"created_at": repr(float(self.created_at))}
 
 
-def _count(text: str) -> int:
-    """A non-negative integer in plain decimal digits (``int`` also takes ``-1``, ``1_0``,
-    `` 7 `` and other scripts' digits)."""
-    if not _DIGITS.fullmatch(text):
-        raise ValueError(text)
-    return int(text)
+def version_dir_name(version: int) -> str:
+    """The directory of ``version`` in the weights directory (``v17``): the one definition
+    the publisher writes, deltas find their base by, and a new leader sweeps by."""
+    return f"v{version}"
 
 
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(text)
-    return value
+def dir_version(name: str) -> int | None:
+    """The version whose directory is called ``name``; None for any other name (``v07``,
+    ``v1.bak``, ``.tmp-v3``)."""
+    match = _VERSION_DIR.fullmatch(name)
+    if match is None or version_dir_name(int(match.group(1))) != name:
+        return None
+    return int(match.group(1))
 
 
-_DIGITS = re.compile(r"[0-9]{1,19}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
-_KINDS: dict[str, Callable[[str], object]] = {"int": _count, "float": _finite, "str": str}
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
+_VERSION_DIR = re.compile(r"v([0-9]{1,19})")

@@ -27,10 +27,13 @@ import redis
 
 from weightcast.contract.codec import META_FIELD
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
+from weightcast.contract.events import Published, parse_event
 from weightcast.contract.fusion import ModelShape
+from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
+from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import Config
 from weightcast.runtime.redis_client import redis_client
@@ -64,7 +67,7 @@ class Child:
 class Progress:
     """What ``up`` has seen so far, from pub/sub events, the heartbeat and the nodes hash."""
 
-    published: list[dict] = field(default_factory=list)
+    published: list[Published] = field(default_factory=list)
     evicted: list[int] = field(default_factory=list)
     step: int = 0
     follower_version: int = 0
@@ -81,9 +84,7 @@ class Progress:
 
     def describe(self, steps: int) -> str:
         last = self.published[-1] if self.published else None
-        version = (
-            f"v{last['version']} (step {last['step']}, lag {last['lag_s']:.2f}s)" if last else "-"
-        )
+        version = f"v{last.version} (step {last.step}, lag {last.lag_s:.2f}s)" if last else "-"
         reward = ""
         if self.rewards:
             newest = max(self.rewards)
@@ -205,14 +206,15 @@ class Stack:
         """The latest version in Redis holds step ``steps`` and the node loaded it (read from
         the registry: pub/sub events published while Redis was away are lost)."""
         latest = int(self.redis.get(self.keys.latest) or 0)
-        step = self.redis.hget(self.keys.version(latest), "step") if latest else None
-        return step == str(steps).encode() and progress.follower_version == latest
+        entry = self.redis.hgetall(self.keys.version(latest)) if latest else {}
+        step = VersionInfo.from_fields(latest, entry).step if entry else None
+        return step == steps and progress.follower_version == latest
 
     def count_skipped(self, progress: Progress) -> None:
         """The snapshots skipped under load, from the trainer's last heartbeat and the
         publisher's record of handled snapshots."""
-        skipped = self.redis.hget(self.keys.trainer_heartbeat, "publish_skipped")
-        progress.skipped_by_trainer = int(skipped or 0)
+        beat = Heartbeat.parse(self.redis.hgetall(self.keys.trainer_heartbeat))
+        progress.skipped_by_trainer = beat.publish_skipped or 0
         outcomes = self.redis.hvals(self.keys.snapshots)
         progress.skipped_by_publisher = outcomes.count(SNAPSHOT_SKIPPED.encode())
 
@@ -220,18 +222,16 @@ class Stack:
         while message := pubsub.get_message(timeout=0.2):
             if message["type"] != "message":
                 continue
-            event = json.loads(message["data"])
-            if event["event"] == "published":
+            event = parse_event(message["data"])
+            if isinstance(event, Published):
                 progress.published.append(event)
-            elif event["event"] == "evicted":
-                progress.evicted.append(event["version"])
-        step, version, kl = self.redis.hmget(
-            self.keys.trainer_heartbeat, "step", "mismatch_version", "mismatch_kl"
-        )
-        progress.step = int(step or 0)
+            else:
+                progress.evicted.append(event.version)
+        beat = Heartbeat.parse(self.redis.hgetall(self.keys.trainer_heartbeat))
+        progress.step = beat.step or 0
+        version, kl = beat.mismatch_version, beat.mismatch_kl
         if version is not None and kl is not None:
-            seen = progress.mismatch.get(int(version), 0.0)
-            progress.mismatch[int(version)] = max(seen, float(kl))
+            progress.mismatch[version] = max(progress.mismatch.get(version, 0.0), kl)
         node = self.redis.hget(self.keys.nodes, FOLLOWER_ID)
         progress.follower_version = NodeReport.parse(node).version if node else 0
         for entry_id, fields in self.redis.xrange(self.keys.batches, f"({progress.last_entry}"):
@@ -340,7 +340,7 @@ def summary(
     progress: Progress, steps: int, seconds: float, dead_letters: int, run_dir: Path
 ) -> str:
     published = progress.published
-    live = sorted({e["version"] for e in published} - set(progress.evicted))
+    live = sorted({e.version for e in published} - set(progress.evicted))
     lines = [
         f"weightcast up: done in {seconds:.1f}s",
         f"  trained {steps} steps; {len(published)} versions published, "
@@ -352,13 +352,13 @@ def summary(
         f"{dead_letters} batches dead-lettered",
         "  version   step   snapshot -> registered   rollouts   mean reward   train/infer KL",
     ]
-    rows = [(0, None)] + [(e["version"], e) for e in published]
+    rows: list[tuple[int, Published | None]] = [(0, None)] + [(e.version, e) for e in published]
     for version, event in rows:
         batches = progress.rewards.get(version, [])
         if event is None and not batches:
             continue
-        step = "-" if event is None else str(event["step"])
-        lag = "(uniform start)" if event is None else f"{event['lag_s']:.3f}s"
+        step = "-" if event is None else str(event.step)
+        lag = "(uniform start)" if event is None else f"{event.lag_s:.3f}s"
         reward = f"{mean(batches):.3f}" if batches else "-"
         kl = f"{progress.mismatch[version]:.2e}" if version in progress.mismatch else "-"
         lines.append(
