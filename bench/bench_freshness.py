@@ -85,7 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     from weightcast.client.vllm.protocol import Source
     from weightcast.client.vllm.staging import stage
     from weightcast.client.weights import WeightsClient
-    from weightcast.contract.fusion import ModelShape
+    from weightcast.contract.model_shape import ModelShape
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     tp = args.node_tp

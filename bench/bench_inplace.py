@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 from weightcast.client.vllm.inplace import InPlaceCopier
-from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import assemble, plan_vllm_fused
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import ShardKind, rank_slice
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

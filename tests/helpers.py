@@ -31,7 +31,6 @@ from safetensors.torch import load_file, save, save_file
 from weightcast.client.producer import BatchProducer
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.codec import BATCH_FIELD, META_FIELD
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import (
@@ -47,6 +46,7 @@ from weightcast.contract.manifest import (
     sha256_bytes,
     sha256_file,
 )
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import Shard, rank_slice
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.contract.layout import (
     FUSED_ARCHITECTURE,
     FUSED_WEIGHTS_FILE,
@@ -23,6 +23,7 @@ from weightcast.contract.layout import (
     fused_rank_file,
 )
 from weightcast.contract.manifest import Manifest, ManifestError, verify_files
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,

@@ -17,9 +17,10 @@ from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.staging import RankPart
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.experts import FUSED_MOE, check_placement, local_experts
-from weightcast.contract.fusion import ModelShape, check_shapes, expected_shape, unfuse
+from weightcast.contract.fusion import unfuse
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.model_shape import ModelShape, check_shapes, expected_shape
 from weightcast.contract.sharding import Shard, ShardKind, rank_slice
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.converter import ConvertOptions, convert, rank_rows

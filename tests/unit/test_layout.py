@@ -11,9 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ModelShape, assemble, check_tp, plan_vllm_fused, unfuse
+from weightcast.contract.fusion import assemble, check_tp, plan_vllm_fused, unfuse
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_config
 from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.converter import ConvertOptions, convert

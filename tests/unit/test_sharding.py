@@ -8,7 +8,7 @@ import re
 import pytest
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ModelShape
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 
 from helpers import hf_config, shape_of

@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import save_file
 
 from weightcast.client.vllm.driver import LocalEngine
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import Keys
+from weightcast.contract.model_shape import ModelShape
 from weightcast.runtime.settings import load_config
 from weightcast_publisher.daemon import Publisher
 

@@ -36,7 +36,7 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from weightcast.contract.errors import ConfigError, LayoutError
-from weightcast.contract.fusion import ModelShape
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import HeaderError, TensorSpan, read_header
 from weightcast.contract.untrusted import json_object

@@ -27,8 +27,8 @@ import redis
 
 from weightcast.contract.codec import META_FIELD
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
 from weightcast.local.redis_server import RedisServer
