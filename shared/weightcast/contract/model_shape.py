@@ -1,15 +1,17 @@
-"""A Qwen3 or Qwen3-MoE model's shape, read from its HF ``config.json``, and the HF tensors
-it implies (pure, no torch).
+"""A Qwen3 or Qwen3-MoE model's shape: the one description of it, read from and written to
+its HF ``config.json``, and the HF tensors it implies (pure, no torch).
 
 :meth:`ModelShape.from_hf_config` is the one strict reading of a ``config.json`` (it may
-come from a version on disk).
+come from a version on disk); :meth:`ModelShape.to_hf_config` is the one writer of one (the
+trainer's snapshots, the benchmarks' and the tests' models). :data:`SHAPES` names the shapes
+weightcast builds itself: the trainer's own flavors and the benchmarks' real Qwen3 sizes.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from weightcast.contract.errors import LayoutError
@@ -17,6 +19,17 @@ from weightcast.contract.errors import LayoutError
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 _DENSE_MLP = ("mlp.gate_proj.", "mlp.up_proj.", "mlp.down_proj.")
 _EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class ConfigExtras:
+    """The fields of ``config.json`` that the shape does not fix (no layout depends on them):
+    the trainer takes them from torchtitan's args; the defaults are weightcast's ``tiny``."""
+
+    max_position_embeddings: int = 1024
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    eos_token_id: int | tuple[int, ...] = 1
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,56 @@ class ModelShape:
             attention_bias=_config_flag(config, "attention_bias"),
             **_moe_fields(config, layers),
         )
+
+    def to_hf_config(
+        self, dtype: str = "bfloat16", extras: ConfigExtras = ConfigExtras()
+    ) -> dict[str, Any]:
+        """The ``config.json`` of HF's ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for a
+        mixture of experts) of this shape, every field written out as transformers 4's
+        ``save_pretrained`` names it (so that vLLM and transformers assume nothing), in the
+        order the trainer's snapshots have always had."""
+        config = {
+            "architectures": ["Qwen3MoeForCausalLM" if self.moe else "Qwen3ForCausalLM"],
+            "model_type": "qwen3_moe" if self.moe else "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": extras.max_position_embeddings,
+            "max_window_layers": self.num_layers,
+            "rms_norm_eps": extras.rms_norm_eps,
+            "rope_theta": extras.rope_theta,
+            "rope_scaling": None,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "eos_token_id": (
+                list(extras.eos_token_id)
+                if isinstance(extras.eos_token_id, tuple)
+                else extras.eos_token_id
+            ),
+            "torch_dtype": dtype,
+        }
+        if not self.moe:
+            return config
+        return config | {  # no auxiliary loss: torchtitan trains without it
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
 
     @property
     def moe(self) -> bool:
@@ -176,6 +239,60 @@ def _config_flag(config: Mapping[str, Any], name: str) -> bool:
     return value
 
 
+def hf_tensor_shapes(shape: ModelShape) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an HF checkpoint of ``shape`` (a tied ``lm_head`` left out, as
+    ``save_pretrained`` leaves it), with its shape, layer by layer."""
+    h, d, q, kv, inter = (
+        shape.hidden_size,
+        shape.head_dim,
+        shape.q_rows,
+        shape.kv_rows,
+        shape.intermediate_size,
+    )
+    tensors: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (shape.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not shape.tie_word_embeddings:
+        tensors["lm_head.weight"] = (shape.vocab_size, h)
+    for layer in range(shape.num_layers):
+        p = f"model.layers.{layer}"
+        tensors |= {
+            f"{p}.self_attn.q_proj.weight": (q, h),
+            f"{p}.self_attn.k_proj.weight": (kv, h),
+            f"{p}.self_attn.v_proj.weight": (kv, h),
+            f"{p}.self_attn.o_proj.weight": (h, q),
+            f"{p}.self_attn.q_norm.weight": (d,),
+            f"{p}.self_attn.k_norm.weight": (d,),
+        }
+        if shape.sparse(layer):
+            moe = shape.moe_intermediate_size
+            tensors[f"{p}.mlp.gate.weight"] = (shape.num_experts, h)
+            for e in range(shape.num_experts):
+                tensors |= {
+                    f"{p}.mlp.experts.{e}.gate_proj.weight": (moe, h),
+                    f"{p}.mlp.experts.{e}.up_proj.weight": (moe, h),
+                    f"{p}.mlp.experts.{e}.down_proj.weight": (h, moe),
+                }
+        else:
+            tensors |= {
+                f"{p}.mlp.gate_proj.weight": (inter, h),
+                f"{p}.mlp.up_proj.weight": (inter, h),
+                f"{p}.mlp.down_proj.weight": (h, inter),
+            }
+        tensors |= {
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+        }
+        if shape.attention_bias:
+            tensors |= {
+                f"{p}.self_attn.q_proj.bias": (q,),
+                f"{p}.self_attn.k_proj.bias": (kv,),
+                f"{p}.self_attn.v_proj.bias": (kv,),
+            }
+    return tensors
+
+
 def expected_shape(name: str, shape: ModelShape) -> tuple[int, ...] | None:
     """The shape a Qwen3 tensor named ``name`` must have, or None for names not known here.
 
@@ -239,3 +356,64 @@ def check_shapes(shapes: Mapping[str, Sequence[int]], shape: ModelShape) -> None
         raise LayoutError("model.embed_tokens.weight is missing from the snapshot")
     if not shape.tie_word_embeddings and "lm_head.weight" not in shapes:
         raise LayoutError("lm_head.weight is missing and the config does not tie it")
+
+
+_TINY = ModelShape(
+    num_layers=2,
+    hidden_size=128,
+    intermediate_size=384,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    vocab_size=1024,
+    tie_word_embeddings=True,
+)
+_QWEN3_VOCAB = 151_936
+
+SHAPES: dict[str, ModelShape] = {
+    "tiny": _TINY,
+    "small": ModelShape(
+        num_layers=8,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=64,
+        vocab_size=32_000,
+        tie_word_embeddings=True,
+    ),
+    "tiny-moe": replace(
+        _TINY,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+    ),
+    "0.6B": ModelShape(28, 1024, 3072, 16, 8, 128, _QWEN3_VOCAB, tie_word_embeddings=True),
+    "1.7B": ModelShape(28, 2048, 6144, 16, 8, 128, _QWEN3_VOCAB, tie_word_embeddings=True),
+    "8B": ModelShape(36, 4096, 12288, 32, 8, 128, _QWEN3_VOCAB, tie_word_embeddings=False),
+    "30B-A3B-2L": ModelShape(
+        num_layers=2,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=_QWEN3_VOCAB,
+        tie_word_embeddings=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
+}
+"""The shapes weightcast builds itself, by name.
+
+``tiny`` trains on 2 CPU cores in milliseconds a step: GQA (2 kv heads for 4 heads) and a
+head_dim (64) that is not hidden/heads (32), like the real 0.6B and 4B. ``small`` is about
+133M parameters (a 0.27 GB bf16 snapshot): mid-size, and a CPU still trains it. ``tiny-moe``
+is ``tiny`` untied with 8 experts of width 64, top-2 renormalised, every layer sparse, like
+Qwen3-30B-A3B. ``0.6B``, ``1.7B`` and ``8B`` are Qwen3's; ``30B-A3B-2L`` is Qwen3-30B-A3B at
+full width (128 experts of 768, hidden 2048, 32 heads over 4 kv heads) cut to 2 layers.
+The trainer's flavors of the first three add torchtitan's own fields to these."""
