@@ -20,7 +20,7 @@ from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
-from helpers import hf_config, hf_state, rank_part, shape_of, write_snapshot
+from helpers import hf_state, rank_part, shape_of, write_snapshot
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,
@@ -242,5 +242,5 @@ def test_publisher_conversion_of_a_real_dcp_snapshot(tmp_path: Path, tp: int) ->
     assert_matches_vllm(fused, state, shape, tp)
     # The fused layout's config.json names an architecture stock vLLM refuses.
     assert json.loads((published.path / "config.json").read_text()) == fused_config(
-        hf_config(shape)
+        shape.to_hf_config()
     )
