@@ -43,10 +43,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_node import registered, write_snapshot
-from bench_publisher import SHAPES
 from weightcast.client.producer import BatchProducer
 from weightcast.client.reader import VersionReader
 from weightcast.contract.keys import Keys
+from weightcast.contract.model_shape import SHAPES
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer

@@ -61,15 +61,14 @@ import torch
 from torch import nn
 
 from weightcast.contract.keys import Keys
+from weightcast.contract.model_shape import SHAPES
 from weightcast.local.redis_server import RedisServer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_delta import nudge
 from bench_publisher import (
     REPO,
-    SHAPES,
     cold_read,
-    hf_config,
     publisher_env,
     random_state,
     settle,
@@ -85,7 +84,6 @@ def worker(args: argparse.Namespace) -> None:
     from weightcast.client.vllm.protocol import Source
     from weightcast.client.vllm.staging import stage
     from weightcast.client.weights import WeightsClient
-    from weightcast.contract.fusion import ModelShape
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     tp = args.node_tp
@@ -93,7 +91,7 @@ def worker(args: argparse.Namespace) -> None:
     source = Source(
         args.redis_url, args.namespace, Path(args.weights_dir), node, Path(args.verified_dir)
     )
-    shape = ModelShape.from_hf_config(hf_config(SHAPES[args.shape]))
+    shape = SHAPES[args.shape]
     reporter = f"{node}-rank{args.rank}"
     client = WeightsClient(
         args.redis_url, args.weights_dir, namespace=args.namespace, node_id=reporter
@@ -160,7 +158,9 @@ def bench_tp(tp: int, mode: str, model: Weights, args: argparse.Namespace, root:
         renamed.append(time.time())
 
     snapshot_module.publish_dir = timed_publish_dir
-    writer = SnapshotWriter(checkpoints, lambda s: s, hf_config(SHAPES[args.shape]), "bench", "run")
+    writer = SnapshotWriter(
+        checkpoints, lambda s: s, SHAPES[args.shape].to_hf_config(), "bench", "run"
+    )
     processes: list[subprocess.Popen] = []
     log = open(work / "processes.log", "wb")  # noqa: SIM115 (closed below)
     rows: list[dict[str, float]] = []

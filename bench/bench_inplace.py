@@ -27,11 +27,12 @@ from pathlib import Path
 import torch
 
 from weightcast.client.vllm.inplace import InPlaceCopier
-from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import assemble, plan_vllm_fused
+from weightcast.contract.model_shape import SHAPES
 from weightcast.contract.sharding import ShardKind, rank_slice
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import SHAPES, hf_config, random_state
+from bench_publisher import random_state
 
 VOCAB_PADDING = 64
 """vLLM pads each rank's vocabulary rows to a multiple of this."""
@@ -50,7 +51,7 @@ def two_versions(shape_name: str) -> list[dict[str, torch.Tensor]]:
 def rank_parts(shape_name: str, state: dict[str, torch.Tensor], tp: int) -> dict:
     """Rank 0's fused parts of ``state`` at ``tp`` (contiguous host tensors, as the reader
     returns them) with each one's shard kind."""
-    shape = ModelShape.from_hf_config(hf_config(SHAPES[shape_name]))
+    shape = SHAPES[shape_name]
     parts = {}
     for spec in plan_vllm_fused({n: t.shape[0] for n, t in state.items()}, shape, tp):
         whole = assemble(spec, state)

@@ -53,13 +53,14 @@ import weightcast.client.reader as reader_module
 from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
+from weightcast.contract.model_shape import SHAPES
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo
 from weightcast.contract.version_info import VersionInfo
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import SHAPES, write_template
+from bench_publisher import write_template
 
 KINDS = ("raw", "blocks", "verify")
 

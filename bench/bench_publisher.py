@@ -44,6 +44,7 @@ import torch
 
 from weightcast.contract.durable import fsync_path
 from weightcast.contract.keys import Keys
+from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
@@ -55,109 +56,26 @@ from weightcast.local.redis_server import RedisServer
 
 REPO = Path(__file__).resolve().parent.parent
 
-# Real Qwen3 configurations (tiny: weightcast's own test model). 30B-A3B-2L: Qwen3-30B-A3B at
-# full width (128 experts of 768, hidden 2048, 32 heads over 4 kv heads) cut to 2 layers.
-SHAPES = {
-    "tiny": dict(layers=2, hidden=128, inter=384, heads=4, kv=2, head_dim=64, vocab=2048),
-    "0.6B": dict(layers=28, hidden=1024, inter=3072, heads=16, kv=8, head_dim=128, vocab=151936),
-    "1.7B": dict(layers=28, hidden=2048, inter=6144, heads=16, kv=8, head_dim=128, vocab=151936),
-    "8B": dict(
-        layers=36, hidden=4096, inter=12288, heads=32, kv=8, head_dim=128, vocab=151936, tied=False
-    ),
-    "30B-A3B-2L": dict(
-        layers=2,
-        hidden=2048,
-        inter=6144,
-        heads=32,
-        kv=4,
-        head_dim=128,
-        vocab=151936,
-        tied=False,
-        experts=128,
-        experts_per_tok=8,
-        moe_inter=768,
-    ),
-}
 
-
-def hf_config(s: dict) -> dict:
-    config = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "num_hidden_layers": s["layers"],
-        "hidden_size": s["hidden"],
-        "intermediate_size": s["inter"],
-        "num_attention_heads": s["heads"],
-        "num_key_value_heads": s["kv"],
-        "head_dim": s["head_dim"],
-        "vocab_size": s["vocab"],
-        "tie_word_embeddings": s.get("tied", True),
-        "torch_dtype": "bfloat16",
-    }
-    if "experts" not in s:
-        return config
-    return config | {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_experts": s["experts"],
-        "num_experts_per_tok": s["experts_per_tok"],
-        "moe_intermediate_size": s["moe_inter"],
-        "norm_topk_prob": True,
-    }
-
-
-def hf_shapes(s: dict) -> dict[str, tuple[int, ...]]:
-    h, q, kv, inter = s["hidden"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"], s["inter"]
-    shapes = {"model.embed_tokens.weight": (s["vocab"], h), "model.norm.weight": (h,)}
-    if not s.get("tied", True):
-        shapes["lm_head.weight"] = (s["vocab"], h)
-    for i in range(s["layers"]):
-        p = f"model.layers.{i}"
-        shapes |= {
-            f"{p}.self_attn.q_proj.weight": (q, h),
-            f"{p}.self_attn.k_proj.weight": (kv, h),
-            f"{p}.self_attn.v_proj.weight": (kv, h),
-            f"{p}.self_attn.o_proj.weight": (h, q),
-            f"{p}.self_attn.q_norm.weight": (s["head_dim"],),
-            f"{p}.self_attn.k_norm.weight": (s["head_dim"],),
-            f"{p}.input_layernorm.weight": (h,),
-            f"{p}.post_attention_layernorm.weight": (h,),
-        }
-        if "experts" in s:
-            moe = s["moe_inter"]
-            shapes[f"{p}.mlp.gate.weight"] = (s["experts"], h)
-            for e in range(s["experts"]):
-                shapes |= {
-                    f"{p}.mlp.experts.{e}.gate_proj.weight": (moe, h),
-                    f"{p}.mlp.experts.{e}.up_proj.weight": (moe, h),
-                    f"{p}.mlp.experts.{e}.down_proj.weight": (h, moe),
-                }
-        else:
-            shapes |= {
-                f"{p}.mlp.gate_proj.weight": (inter, h),
-                f"{p}.mlp.up_proj.weight": (inter, h),
-                f"{p}.mlp.down_proj.weight": (h, inter),
-            }
-    return shapes
-
-
-def random_state(s: dict) -> dict[str, torch.Tensor]:
+def random_state(shape: ModelShape) -> dict[str, torch.Tensor]:
     """Random bf16 tensors under the shape's HF names: random bits with the exponent's top
     bit cleared (finite, below 2 in magnitude), never repeating (a model's bytes do not
     repeat either). Drawn four times faster than normal values, whose 8 billion draws for
     the 8B shape take minutes."""
     rng = np.random.default_rng(0)
     state = {}
-    for name, size in hf_shapes(s).items():
+    for name, size in hf_tensor_shapes(shape).items():
         bits = rng.integers(0, 1 << 16, size=math.prod(size), dtype=np.uint16)
         bits &= 0xBFFF
         state[name] = torch.from_numpy(bits).view(torch.bfloat16).reshape(size)
     return state
 
 
-def write_template(path: Path, s: dict, format: str) -> tuple[int, tuple[SnapshotFile, ...]]:
+def write_template(
+    path: Path, shape: ModelShape, format: str
+) -> tuple[int, tuple[SnapshotFile, ...]]:
     """A random bf16 snapshot in HF names; the bytes of its data files and their listing."""
-    state = random_state(s)
+    state = random_state(shape)
     path.mkdir(parents=True)
     files: tuple[SnapshotFile, ...] = ()
     if format == FORMAT_DCP_SAFETENSORS:
@@ -170,7 +88,7 @@ def write_template(path: Path, s: dict, format: str) -> tuple[int, tuple[Snapsho
         import torch.distributed.checkpoint as dcp
 
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
-    (path / "config.json").write_text(json.dumps(hf_config(s)))
+    (path / "config.json").write_text(json.dumps(shape.to_hf_config()))
     return sum(f.stat().st_size for f in data_files(path)), files
 
 

@@ -34,20 +34,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "tests" / "vllm"), str(REPO / "tests"), str(REPO / "bench")]
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(report)
 
-SHAPES = {
-    "tiny": {},
-    "0.6B": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        max_window_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=4096,
-    ),
-}
+CONTEXT = {"tiny": 1024, "0.6B": 4096}
+"""The shapes benchmarked (:data:`weightcast.contract.model_shape.SHAPES`) and the context
+(``max_position_embeddings``) each engine gets."""
 
 
 def drop_pages(directory: Path) -> None:
@@ -67,10 +56,11 @@ def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
     from weightcast.client.vllm.driver import LocalEngine, swap
     from weightcast.client.weights import WeightsClient
     from weightcast.contract.layout import FUSED_WEIGHTS_FILE
+    from weightcast.contract.model_shape import SHAPES, ConfigExtras
 
-    from vllm_helpers import Registry, llm_engine, qwen3_config, random_state
+    from vllm_helpers import Registry, llm_engine, random_state
 
-    config = qwen3_config(**SHAPES[name])
+    config = SHAPES[name].to_hf_config(extras=ConfigExtras(max_position_embeddings=CONTEXT[name]))
     registry = Registry(redis_url, f"bench-{name}", work / name)
     versions = [
         registry.publish(config, random_state(config, seed), layout="both") for seed in (1, 2)
@@ -132,7 +122,7 @@ def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=list(CONTEXT), choices=list(CONTEXT))
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()

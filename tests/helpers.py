@@ -21,7 +21,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 import torch
@@ -31,7 +31,6 @@ from safetensors.torch import load_file, save, save_file
 from weightcast.client.producer import BatchProducer
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.codec import BATCH_FIELD, META_FIELD
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import (
@@ -47,6 +46,7 @@ from weightcast.contract.manifest import (
     sha256_bytes,
     sha256_file,
 )
+from weightcast.contract.model_shape import ConfigExtras, ModelShape, hf_tensor_shapes
 from weightcast.contract.sharding import Shard, rank_slice
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
@@ -109,49 +109,10 @@ def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str,
     """A random HF-named Qwen3 (or Qwen3-MoE) state dict of this shape (unique values, so
     swaps show)."""
     gen = torch.Generator().manual_seed(0)
-
-    def rand(*size: int) -> torch.Tensor:
-        return torch.randn(*size, generator=gen).to(dtype)
-
-    h, d = shape.hidden_size, shape.head_dim
-    state = {"model.embed_tokens.weight": rand(shape.vocab_size, h), "model.norm.weight": rand(h)}
-    if not shape.tie_word_embeddings:
-        state["lm_head.weight"] = rand(shape.vocab_size, h)
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}"
-        state |= {
-            f"{p}.self_attn.q_proj.weight": rand(shape.q_rows, h),
-            f"{p}.self_attn.k_proj.weight": rand(shape.kv_rows, h),
-            f"{p}.self_attn.v_proj.weight": rand(shape.kv_rows, h),
-            f"{p}.self_attn.o_proj.weight": rand(h, shape.q_rows),
-            f"{p}.self_attn.q_norm.weight": rand(d),
-            f"{p}.self_attn.k_norm.weight": rand(d),
-        }
-        if shape.sparse(i):
-            moe = shape.moe_intermediate_size
-            state[f"{p}.mlp.gate.weight"] = rand(shape.num_experts, h)
-            for e in range(shape.num_experts):
-                state |= {
-                    f"{p}.mlp.experts.{e}.gate_proj.weight": rand(moe, h),
-                    f"{p}.mlp.experts.{e}.up_proj.weight": rand(moe, h),
-                    f"{p}.mlp.experts.{e}.down_proj.weight": rand(h, moe),
-                }
-        else:
-            state |= {
-                f"{p}.mlp.gate_proj.weight": rand(shape.intermediate_size, h),
-                f"{p}.mlp.up_proj.weight": rand(shape.intermediate_size, h),
-                f"{p}.mlp.down_proj.weight": rand(h, shape.intermediate_size),
-            }
-        state |= {
-            f"{p}.input_layernorm.weight": rand(h),
-            f"{p}.post_attention_layernorm.weight": rand(h),
-        }
-        if shape.attention_bias:
-            state |= {
-                f"{p}.self_attn.{x}_proj.bias": rand(rows)
-                for x, rows in (("q", shape.q_rows), ("k", shape.kv_rows), ("v", shape.kv_rows))
-            }
-    return state
+    return {
+        name: torch.randn(*size, generator=gen).to(dtype)
+        for name, size in hf_tensor_shapes(shape).items()
+    }
 
 
 def drift(state: dict[str, torch.Tensor], step: int, every: int = 50) -> None:
@@ -160,29 +121,6 @@ def drift(state: dict[str, torch.Tensor], step: int, every: int = 50) -> None:
     for tensor in state.values():
         flat = tensor.view(-1).view(torch.int16)
         flat[step % every :: every] += 1
-
-
-def hf_config(shape: ModelShape) -> dict:
-    moe = {
-        "model_type": "qwen3_moe",
-        "num_experts": shape.num_experts,
-        "num_experts_per_tok": shape.num_experts_per_tok,
-        "moe_intermediate_size": shape.moe_intermediate_size,
-        "decoder_sparse_step": shape.decoder_sparse_step,
-        "mlp_only_layers": list(shape.mlp_only_layers),
-        "norm_topk_prob": shape.norm_topk_prob,
-    }
-    return (moe if shape.moe else {}) | {
-        "num_hidden_layers": shape.num_layers,
-        "hidden_size": shape.hidden_size,
-        "intermediate_size": shape.intermediate_size,
-        "num_attention_heads": shape.num_heads,
-        "num_key_value_heads": shape.num_kv_heads,
-        "head_dim": shape.head_dim,
-        "vocab_size": shape.vocab_size,
-        "tie_word_embeddings": shape.tie_word_embeddings,
-        "attention_bias": shape.attention_bias,
-    }
 
 
 FORMATS = (FORMAT_DCP_SAFETENSORS, FORMAT_DCP_TORCH_SAVE)
@@ -216,7 +154,7 @@ def finish_snapshot(
 ) -> Path:
     """What the trainer writes once the tensors are saved: ``config.json``, then the info
     file that makes the snapshot complete."""
-    (path / "config.json").write_text(json.dumps(hf_config(shape)))
+    (path / "config.json").write_text(json.dumps(shape.to_hf_config()))
     info = SnapshotInfo(
         uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
     )
@@ -759,71 +697,67 @@ def healthz(port: int) -> int:
         return 0
 
 
+class HfModel(NamedTuple):
+    """A ``save_pretrained`` model: its shape and the rest of its ``config.json``."""
+
+    shape: ModelShape
+    extras: ConfigExtras
+
+
+_TIED_ODD = ModelShape(
+    num_layers=2,
+    hidden_size=64,
+    intermediate_size=96,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=24,  # not hidden / heads (16)
+    vocab_size=1000,  # not a multiple of 64
+    tie_word_embeddings=True,
+)
+_UNTIED_ODD = ModelShape(
+    num_layers=3,
+    hidden_size=96,
+    intermediate_size=200,
+    num_heads=6,
+    num_kv_heads=3,
+    head_dim=32,  # not hidden / heads (16)
+    vocab_size=1003,  # not a multiple of 64; the vLLM tests prompt ids up to 999
+    tie_word_embeddings=False,
+)
+_TIED_EXTRAS = ConfigExtras(
+    max_position_embeddings=300, rms_norm_eps=1e-5, rope_theta=12345.0, eos_token_id=7
+)
+_UNTIED_EXTRAS = ConfigExtras(
+    max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=500000.0, eos_token_id=(3, 4)
+)
 HF_SHAPES = {
-    "tied-odd": dict(
-        vocab_size=1000,  # not a multiple of 64
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,  # not hidden / heads (16)
-        tie_word_embeddings=True,
-        rope_theta=12345.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=300,
-        eos_token_id=7,
+    "tied-odd": HfModel(_TIED_ODD, _TIED_EXTRAS),
+    "untied-odd": HfModel(_UNTIED_ODD, _UNTIED_EXTRAS),
+    "moe-untied-odd": HfModel(
+        dataclasses.replace(
+            _UNTIED_ODD,
+            hidden_size=48,
+            intermediate_size=80,  # the dense layer's width
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=24,
+            num_experts=6,  # 3 per rank under 2-rank FSDP
+            num_experts_per_tok=2,
+            moe_intermediate_size=40,
+            mlp_only_layers=(1,),  # a dense layer between two sparse ones
+            norm_topk_prob=True,
+        ),
+        _UNTIED_EXTRAS,
     ),
-    "untied-odd": dict(
-        vocab_size=1003,  # not a multiple of 64; the vLLM tests prompt ids up to 999
-        hidden_size=96,
-        intermediate_size=200,
-        num_hidden_layers=3,
-        num_attention_heads=6,
-        num_key_value_heads=3,
-        head_dim=32,  # not hidden / heads (16)
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=512,
-        eos_token_id=[3, 4],
-    ),
-    "moe-untied-odd": dict(
-        vocab_size=1003,
-        hidden_size=48,
-        intermediate_size=80,  # the dense layer's width
-        moe_intermediate_size=40,
-        num_experts=6,  # 3 per rank under 2-rank FSDP
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        num_hidden_layers=3,
-        mlp_only_layers=[1],  # a dense layer (intermediate_size) between two sparse ones
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        tie_word_embeddings=False,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=512,
-        eos_token_id=[3, 4],
-    ),
-    "moe-tied-odd": dict(
-        vocab_size=1000,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=24,
-        num_experts=5,  # splits over no number of FSDP ranks
-        num_experts_per_tok=3,
-        norm_topk_prob=False,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=24,
-        tie_word_embeddings=True,
-        rope_theta=12345.0,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=300,
-        eos_token_id=7,
+    "moe-tied-odd": HfModel(
+        dataclasses.replace(
+            _TIED_ODD,
+            num_experts=5,  # splits over no number of FSDP ranks
+            num_experts_per_tok=3,
+            moe_intermediate_size=24,
+            norm_topk_prob=False,
+        ),
+        _TIED_EXTRAS,
     ),
 }
 """Dense Qwen3 and Qwen3-MoE (``moe-*``) shapes that no flavor has: tied and untied, odd
@@ -849,11 +783,13 @@ def save_pretrained_qwen3(
     random init's are near uniform, where even a wrong load changes little)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+    model_shape, extras = HF_SHAPES[shape]
+    config = model_shape.to_hf_config("float32", extras)
     torch.manual_seed(seed)
-    if shape.startswith("moe-"):
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**HF_SHAPES[shape]))
+    if model_shape.moe:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_dict(config))
     else:
-        model = Qwen3ForCausalLM(Qwen3Config(**HF_SHAPES[shape]))
+        model = Qwen3ForCausalLM(Qwen3Config.from_dict(config))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:

@@ -26,7 +26,7 @@ from weightcast.contract.delta import Delta
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.experts import check_placement
-from weightcast.contract.fusion import ModelShape, check_shapes, check_tp
+from weightcast.contract.fusion import check_tp
 from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED, fused_config
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
@@ -37,6 +37,7 @@ from weightcast.contract.manifest import (
     file_entry,
     sha256_bytes,
 )
+from weightcast.contract.model_shape import ModelShape, check_shapes
 from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, plan_version
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME

@@ -17,7 +17,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from weightcast.contract.plan import ColumnRange, PlannedFile, Region
+from weightcast.contract.plan import PlannedFile
+from weightcast.contract.regions import ColumnRange, Region
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS
 from weightcast.contract.tensorfile import TensorSpan, safetensors_dtype
 from weightcast_publisher.safetensors_writer import Piece

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Protocol
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import RowRange
-from weightcast.contract.plan import ColumnRange, PlannedFile, Region
+from weightcast.contract.plan import PlannedFile
+from weightcast.contract.regions import ColumnRange, Region, RowRange
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_KEY
 from weightcast.contract.tensorfile import DTYPE_SIZES, HeaderError, TensorSpan, read_header
 from weightcast.runtime.config import READERS

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.contract.layout import (
     FUSED_ARCHITECTURE,
     FUSED_WEIGHTS_FILE,
@@ -23,6 +23,7 @@ from weightcast.contract.layout import (
     fused_rank_file,
 )
 from weightcast.contract.manifest import Manifest, ManifestError, verify_files
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
@@ -39,7 +40,6 @@ from weightcast_trainer.dcp_safetensors import write_file
 
 from helpers import (
     FORMATS,
-    hf_config,
     hf_state,
     rank_part,
     shape_of,
@@ -207,7 +207,7 @@ def test_hf_layout_loads_in_transformers_with_the_source_logits(
     """The ``hf`` layout, and ``both`` (the same HF files in ``hf/`` beside the fused ones)."""
     shape = shape_of(4, 2, 16, hidden=64, inter=128, tied=tied)
     state = hf_state(shape, torch.bfloat16)
-    config = {**hf_config(shape), "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    config = {**shape.to_hf_config(), "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     config |= {"rms_norm_eps": 1e-6, "max_position_embeddings": 128, "rope_theta": 10000.0}
     snapshot = write_snapshot(tmp_path, 1, shape, state, format)
     (snapshot / "config.json").write_text(json.dumps(config))
@@ -344,7 +344,7 @@ def write_blocks(
         }
         name = data_file_name(i)
         files.append(SnapshotFile(name, write_file(path / name, tensors, offsets)))
-    (path / "config.json").write_text(json.dumps(hf_config(shape)))
+    (path / "config.json").write_text(json.dumps(shape.to_hf_config()))
     SnapshotInfo("id", "run", 1, 0.0, "bfloat16", "t", FORMAT_DCP_SAFETENSORS, tuple(files)).write(
         path
     )
@@ -390,7 +390,7 @@ def test_blocks_that_are_not_whole_rows_are_read_with_dcp_load(tmp_path: Path) -
     size = write_file(path / data_file_name(1), second, {o_proj: {"saved_offsets": [0, half]}})
     files.append(SnapshotFile(data_file_name(1), size))
     files[0] = SnapshotFile(data_file_name(0), write_file(path / data_file_name(0), first, offsets))
-    (path / "config.json").write_text(json.dumps(hf_config(SMALL)))
+    (path / "config.json").write_text(json.dumps(SMALL.to_hf_config()))
     SnapshotInfo("id", "run", 1, 0.0, "bfloat16", "t", FORMAT_DCP_SAFETENSORS, tuple(files)).write(
         path
     )

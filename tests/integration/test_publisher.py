@@ -32,7 +32,6 @@ from weightcast_publisher.watcher import SnapshotWatcher
 
 from helpers import (
     FORMATS,
-    hf_config,
     hf_state,
     publish_snapshot,
     run_weightcast,
@@ -86,7 +85,7 @@ def drop_config(path: Path) -> None:
 
 
 def inconsistent_config(path: Path) -> None:
-    (path / "config.json").write_text(json.dumps({**hf_config(SHAPE), "hidden_size": 24}))
+    (path / "config.json").write_text(json.dumps({**SHAPE.to_hf_config(), "hidden_size": 24}))
 
 
 def rewrite(path: Path, state: dict) -> None:

@@ -30,7 +30,7 @@ from weightcast_publisher.snapshot_scan import Snapshot, complete_snapshots
 from weightcast_trainer.dcp_safetensors import NonFiniteWeight
 from weightcast_trainer.snapshot_writer import SnapshotWriter
 
-from helpers import Deployment, drift, hf_config, hf_state, shape_of, tmpfs
+from helpers import Deployment, drift, hf_state, shape_of, tmpfs
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64, tied=False, bias=True)
 
@@ -50,7 +50,7 @@ class Weights(nn.Module):
 
 
 def writer_for(directory: Path, model: Weights) -> SnapshotWriter:
-    return SnapshotWriter(directory, model.to_hf, hf_config(SHAPE), "test", "run-1")
+    return SnapshotWriter(directory, model.to_hf, SHAPE.to_hf_config(), "test", "run-1")
 
 
 def entries(directory: Path) -> list[str]:

@@ -16,9 +16,9 @@ from pathlib import Path
 import redis
 import torch
 
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port

@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from weightcast.contract.fusion import ModelShape, unfuse
+from weightcast.contract.fusion import unfuse
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import Manifest
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.dcp_load import load_tensors
 from weightcast_publisher.snapshot_scan import Snapshot

@@ -108,7 +108,7 @@ def test_a_fresh_run_starts_from_the_checkpoint_and_publishes_it_first(
         assert first["step"] == 0
         assert_bitwise_the_start(first["tensors"], start)
         push_batches(
-            cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES[shape]["vocab_size"]
+            cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES[shape].shape.vocab_size
         )
         assert trainer.wait(timeout=300) == 0, (logs / "trainer.log").read_text()[-3000:]
         wait_for(lambda: client.get(keys.latest) == b"2", 300, "step 2 published as v2")
@@ -135,7 +135,7 @@ def test_two_fsdp_ranks_start_from_the_checkpoint(
     bitwise, and the step-1 one holds the same tensors, trained."""
     start = save_pretrained_qwen3(tmp_path / "start", shape, torch.bfloat16, 150)
     push_batches(
-        cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES[shape]["vocab_size"]
+        cli_env["WEIGHTCAST_REDIS_URL"], keys, 2, vocab_size=HF_SHAPES[shape].shape.vocab_size
     )
     result = run_torchrun_trainer(
         cli_env, 2, "--init-from", str(start), "--steps", "1", "--lr", "1e-2"

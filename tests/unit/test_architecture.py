@@ -66,3 +66,18 @@ def test_an_upward_a_sideways_and_a_heavy_import_are_each_reported(tmp_path: Pat
     assert "weightcast.contract.keys -> weightcast.client.weights" in report
     assert "weightcast_trainer.worker -> weightcast_publisher.daemon" in report
     assert "weightcast.client.weights -> transformers" in report
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """Cycles between modules (an import inside a function counts) hide which of the two is
+    the lower one; none is left, so any new one is a mistake."""
+    import grimp
+
+    graph = grimp.build_graph("weightcast", "weightcast_trainer", "weightcast_publisher")
+    cycles = sorted(
+        (module, imported)
+        for module in graph.modules
+        for imported in graph.find_modules_directly_imported_by(module)
+        if imported != module and graph.find_shortest_chain(imported, module)
+    )
+    assert not cycles, cycles

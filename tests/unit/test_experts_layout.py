@@ -17,15 +17,16 @@ from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.staging import RankPart
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.experts import FUSED_MOE, check_placement, local_experts
-from weightcast.contract.fusion import ModelShape, check_shapes, expected_shape, unfuse
+from weightcast.contract.fusion import unfuse
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.model_shape import ModelShape, check_shapes, expected_shape
 from weightcast.contract.sharding import Shard, ShardKind, rank_slice
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.converter import ConvertOptions, convert, rank_rows
 from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
-from helpers import hf_config, hf_state, moe_shape, write_snapshot
+from helpers import hf_state, moe_shape, write_snapshot
 from vllm_reference import fused_moe_rank
 
 PLACEMENTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]
@@ -158,7 +159,7 @@ def test_linear_expert_placement() -> None:
 
 def test_config_json_of_a_moe_is_read_strictly() -> None:
     shape = moe_shape()
-    config = hf_config(shape)
+    config = shape.to_hf_config()
     assert ModelShape.from_hf_config(config) == shape
     # transformers 5 writes num_local_experts; Qwen's own configs num_experts.
     renamed = {k: v for k, v in config.items() if k != "num_experts"} | {"num_local_experts": 4}

@@ -11,15 +11,16 @@ import torch
 from safetensors.torch import load_file
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ModelShape, assemble, check_tp, plan_vllm_fused, unfuse
+from weightcast.contract.fusion import assemble, check_tp, plan_vllm_fused, unfuse
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_config
 from weightcast.contract.manifest import Manifest, verify_files
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
-from helpers import hf_config, hf_state, rank_part, shape_of, write_snapshot
+from helpers import hf_state, rank_part, shape_of, write_snapshot
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,
@@ -241,5 +242,5 @@ def test_publisher_conversion_of_a_real_dcp_snapshot(tmp_path: Path, tp: int) ->
     assert_matches_vllm(fused, state, shape, tp)
     # The fused layout's config.json names an architecture stock vLLM refuses.
     assert json.loads((published.path / "config.json").read_text()) == fused_config(
-        hf_config(shape)
+        shape.to_hf_config()
     )

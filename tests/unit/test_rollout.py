@@ -26,7 +26,6 @@ from weightcast_trainer.loss import token_logprobs
 
 from helpers import (
     checkpoint_tensors,
-    hf_config,
     hf_state,
     moe_shape,
     save_pretrained_qwen3,
@@ -37,7 +36,7 @@ SHAPE = shape_of(4, 2, 16, hidden=32, inter=64)
 
 
 def config() -> dict:
-    return {**hf_config(SHAPE), "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    return {**SHAPE.to_hf_config(), "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
 
 
 def test_reward_is_the_fraction_of_target_tokens() -> None:
@@ -104,7 +103,7 @@ def test_a_policy_built_from_a_published_moe_version_is_the_hf_model(tp: int, ep
         p.name: assemble(FusedTensor(p.name, p.pieces, p.shard), state).reshape(p.shape)
         for p in plan_experts(rows, shape, tp, ep)
     }
-    hf = {**hf_config(shape), "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    hf = {**shape.to_hf_config(), "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
     direct = ModelPolicy(1, hf, state)
     rebuilt = ModelPolicy.from_published(
         1, {**hf, "architectures": [FUSED_ARCHITECTURE]}, published, tp

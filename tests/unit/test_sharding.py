@@ -8,10 +8,10 @@ import re
 import pytest
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import ModelShape
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 
-from helpers import hf_config, shape_of
+from helpers import shape_of
 
 QKV = {"kind": "qkv", "dim": 0, "tp": 2, "rank_rows": 8, "q_rows": 4, "kv_rows": 2}
 EXPERTS = {"kind": "experts", "dim": 0, "tp": 4, "rank_rows": 2, "ep": 4, "experts": 2}
@@ -156,14 +156,14 @@ def test_a_shard_has_exactly_the_fields_of_its_kind() -> None:
 def test_config_numbers_are_positive_integers_and_flags_booleans(
     field: str, value: object, message: str
 ) -> None:
-    config = {**hf_config(shape_of(4, 2, 8, hidden=16)), field: value}
+    config = {**shape_of(4, 2, 8, hidden=16).to_hf_config(), field: value}
     with pytest.raises(LayoutError, match=re.escape(message)):
         ModelShape.from_hf_config(config)
 
 
 def test_config_defaults_stand_in_for_null_heads_and_head_dim() -> None:
     shape = shape_of(4, 2, 8, hidden=32)
-    config = {**hf_config(shape), "num_key_value_heads": None, "head_dim": None}
+    config = {**shape.to_hf_config(), "num_key_value_heads": None, "head_dim": None}
     read = ModelShape.from_hf_config(config)
     assert (read.num_kv_heads, read.head_dim) == (4, 8)
-    assert ModelShape.from_hf_config(hf_config(shape)) == shape
+    assert ModelShape.from_hf_config(shape.to_hf_config()) == shape

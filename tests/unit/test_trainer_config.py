@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from weightcast.contract.errors import ConfigError
+from weightcast.contract.model_shape import SHAPES, ModelShape
 from weightcast.runtime.config import MODELS, MOE_MODELS, TrainerConfig
 from weightcast_trainer.job import UNBOUNDED_STEPS, build_job_config
-from weightcast_trainer.model import TRAIN_SPEC_NAME, flavors, hf_config
+from weightcast_trainer.model import TRAIN_SPEC_NAME, flavors, hf_config, qwen3_args, shape_of
 
 
 def test_weightcast_settings_and_overrides_reach_torchtitan() -> None:
@@ -51,6 +52,23 @@ def test_flavors_and_their_hf_config() -> None:
     assert shape == (1024, 128, 8)
     assert config["tie_word_embeddings"] is True and config["model_type"] == "qwen3"
     assert hf_config(available["8B"])["tie_word_embeddings"] is False
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "tiny-moe"])
+def test_weightcasts_own_flavors_are_the_named_shapes(name: str) -> None:
+    args = flavors()[name]
+    assert shape_of(args) == SHAPES[name]
+    assert ModelShape.from_hf_config(hf_config(args)) == SHAPES[name]
+
+
+def test_every_flavor_survives_its_config_json() -> None:
+    """shape_of inverts qwen3_args: a flavor's config.json gives the flavor back (an MoE's
+    dense layers included)."""
+    for name, args in flavors().items():
+        shape = ModelShape.from_hf_config(hf_config(args))
+        again = qwen3_args(shape, args.max_seq_len, args.rope_theta, args.norm_eps, args.eos_id)
+        assert shape_of(again) == shape, name
+        assert again.moe_enabled == args.moe_enabled
 
 
 def test_async_resume_checkpoints_are_accepted() -> None:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from weightcast.client.vllm.inplace import InPlaceCopier
-from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import assemble, plan_vllm_fused
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import ShardKind
 
 from helpers import hf_state, rank_part, shape_of

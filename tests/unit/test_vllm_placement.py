@@ -15,7 +15,8 @@ import torch
 
 from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.staging import RankPart
-from weightcast.contract.fusion import ModelShape, assemble, plan_vllm_fused
+from weightcast.contract.fusion import assemble, plan_vllm_fused
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import Shard, ShardKind
 
 from helpers import hf_state, rank_part, shape_of

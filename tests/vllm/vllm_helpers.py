@@ -16,7 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,89 +25,36 @@ import torch
 from safetensors.torch import save_file
 
 from weightcast.client.vllm.driver import LocalEngine
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.keys import Keys
+from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.runtime.settings import load_config
 from weightcast_publisher.daemon import Publisher
 
 from helpers import write_snapshot
 
-
-def qwen3_config(**changes: Any) -> dict[str, Any]:
-    """A Qwen3 ``config.json`` as the trainer writes it: weightcast's ``tiny`` (2 layers,
-    hidden 128, 4 heads over 2 kv heads of 64, intermediate 384, vocabulary 1024, tied
-    embeddings) with ``changes``."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": 1024,
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 64,
-        "max_position_embeddings": 1024,
-        "max_window_layers": 2,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1_000_000.0,
-        "rope_scaling": None,
-        "tie_word_embeddings": True,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "eos_token_id": 1,
-        "torch_dtype": "bfloat16",
-    } | changes
-
-
-TINY = qwen3_config()
-ODD_VOCAB = qwen3_config(vocab_size=1000)
+TINY = SHAPES["tiny"].to_hf_config()
+"""A Qwen3 ``config.json`` as the trainer writes it: weightcast's ``tiny``."""
+ODD_VOCAB = replace(SHAPES["tiny"], vocab_size=1000).to_hf_config()
 """A vocabulary that is not a multiple of 64: vLLM pads it to 1024 and the last rank's
 share is short (tp 2: 512 + 488 rows; tp 4: 256, 256, 256, 232)."""
-UNTIED_BIASED = qwen3_config(vocab_size=1000, tie_word_embeddings=False, attention_bias=True)
+UNTIED_BIASED = replace(
+    SHAPES["tiny"], vocab_size=1000, tie_word_embeddings=False, attention_bias=True
+).to_hf_config()
 """The same with its own ``lm_head`` and q/k/v biases (fused into ``qkv_proj.bias``)."""
 
 
 def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """HF-named bf16 weights of a plausible scale (logits spread over a few nats)."""
-    shape = ModelShape.from_hf_config(config)
+    """HF-named bf16 weights of a plausible scale (logits spread over a few nats): norms
+    near 1, everything else small."""
     gen = torch.Generator().manual_seed(seed)
 
-    def weight(*size: int) -> torch.Tensor:
-        return (torch.randn(*size, generator=gen) * 0.05).to(torch.bfloat16)
+    def tensor(name: str, size: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return (1 + 0.1 * torch.randn(size, generator=gen)).to(torch.bfloat16)
+        return (torch.randn(size, generator=gen) * 0.05).to(torch.bfloat16)
 
-    def norm(size: int) -> torch.Tensor:
-        return (1 + 0.1 * torch.randn(size, generator=gen)).to(torch.bfloat16)
-
-    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
-    state = {"model.embed_tokens.weight": weight(shape.vocab_size, h), "model.norm.weight": norm(h)}
-    for i in range(shape.num_layers):
-        p = f"model.layers.{i}"
-        state |= {
-            f"{p}.input_layernorm.weight": norm(h),
-            f"{p}.post_attention_layernorm.weight": norm(h),
-            f"{p}.self_attn.q_proj.weight": weight(shape.q_rows, h),
-            f"{p}.self_attn.k_proj.weight": weight(shape.kv_rows, h),
-            f"{p}.self_attn.v_proj.weight": weight(shape.kv_rows, h),
-            f"{p}.self_attn.o_proj.weight": weight(h, shape.q_rows),
-            f"{p}.self_attn.q_norm.weight": norm(d),
-            f"{p}.self_attn.k_norm.weight": norm(d),
-            f"{p}.mlp.gate_proj.weight": weight(inter, h),
-            f"{p}.mlp.up_proj.weight": weight(inter, h),
-            f"{p}.mlp.down_proj.weight": weight(h, inter),
-        }
-    for i in range(shape.num_layers if shape.attention_bias else 0):
-        p = f"model.layers.{i}.self_attn"
-        rows = {"q": shape.q_rows, "k": shape.kv_rows, "v": shape.kv_rows}
-        state |= {f"{p}.{x}_proj.bias": weight(n) for x, n in rows.items()}
-    if not shape.tie_word_embeddings:
-        state["lm_head.weight"] = weight(shape.vocab_size, h)
-    return state
+    shapes = hf_tensor_shapes(ModelShape.from_hf_config(config))
+    return {name: tensor(name, size) for name, size in shapes.items()}
 
 
 EXPERTS, MOE_INTER, HIDDEN = 8, 128, 64

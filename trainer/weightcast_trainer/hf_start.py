@@ -36,11 +36,11 @@ from torchtitan.models.qwen3 import Qwen3ModelArgs
 from torchtitan.models.qwen3.model.state_dict_adapter import Qwen3StateDictAdapter
 
 from weightcast.contract.errors import ConfigError, LayoutError
-from weightcast.contract.fusion import ModelShape
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import HeaderError, TensorSpan, read_header
 from weightcast.contract.untrusted import json_object
-from weightcast_trainer.model import Qwen3MoeModelArgs, TiedQwen3Model, qwen3_moe_router
+from weightcast_trainer.model import TiedQwen3Model, qwen3_args
 
 ARCHITECTURE = "Qwen3ForCausalLM"
 MOE_ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -109,35 +109,23 @@ def model_args_from_hf(config: Mapping[str, Any], where: str) -> Qwen3ModelArgs:
             f"{where}: num_attention_heads {shape.num_heads} is not a multiple of "
             f"num_key_value_heads {shape.num_kv_heads}"
         )
-    moe = model_type == "qwen3_moe"
-    return (Qwen3MoeModelArgs if moe else Qwen3ModelArgs)(
-        **(_moe_fields(config, where, shape) if moe else {}),
-        vocab_size=shape.vocab_size,
-        dim=shape.hidden_size,
-        n_layers=shape.num_layers,
-        n_heads=shape.num_heads,
-        n_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        hidden_dim=shape.intermediate_size,
+    if model_type == "qwen3_moe":
+        _check_router(config, where)
+    else:  # a dense architecture is built dense, whatever expert fields its config has
+        shape = dataclasses.replace(shape, num_experts=0)
+    return qwen3_args(
+        shape,
         norm_eps=_positive(config, "rms_norm_eps", where),
         rope_theta=_rope_theta(config, where),
         max_seq_len=_max_positions(config, where),
-        qk_norm=True,
-        enable_weight_tying=shape.tie_word_embeddings,
         eos_id=_eos(config, where),
     )
 
 
-def _moe_fields(config: Mapping[str, Any], where: str, shape: ModelShape) -> dict[str, Any]:
-    """torchtitan's MoE args of a Qwen3-MoE ``config.json`` whose MoE fields ``shape`` holds
-    (:meth:`ModelShape.from_hf_config` reads and checks them), its router as
-    :func:`~weightcast_trainer.model.qwen3_moe_router` sets it.
-
-    The layers that are not sparse (``mlp_only_layers``, those ``decoder_sparse_step``
-    skips) are dense (torchtitan's dense block, of ``intermediate_size``).
-    ``output_router_logits`` is refused: torchtitan does not compute HF's auxiliary loss
-    (``router_aux_loss_coef`` only weighs that loss, so it is unused without it).
-    """
+def _check_router(config: Mapping[str, Any], where: str) -> None:
+    """Refuse ``output_router_logits``: torchtitan does not compute HF's auxiliary loss
+    (``router_aux_loss_coef`` only weighs that loss, so it is unused without it). The
+    experts' other fields :meth:`ModelShape.from_hf_config` reads and checks."""
     router_logits = config.get("output_router_logits", False)
     if type(router_logits) is not bool:
         raise ConfigError(f"{where}: output_router_logits is {router_logits!r}, not true or false")
@@ -146,14 +134,6 @@ def _moe_fields(config: Mapping[str, Any], where: str, shape: ModelShape) -> dic
             f"{where}: output_router_logits is true: torchtitan 0.2.0's Qwen3 MoE trains "
             "without HF's router auxiliary loss (only false is supported)"
         )
-    return {
-        "moe_enabled": True,
-        "moe_inter_dim": shape.moe_intermediate_size,
-        "moe_args": qwen3_moe_router(
-            shape.num_experts, shape.num_experts_per_tok, shape.norm_topk_prob
-        ),
-        "dense_layers": tuple(i for i in range(shape.num_layers) if not shape.sparse(i)),
-    }
 
 
 def inspect_start(path: Path) -> StartCheckpoint:

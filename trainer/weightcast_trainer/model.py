@@ -14,43 +14,11 @@ from torchtitan.models.moe import MoE, MoEArgs
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 from torchtitan.models.qwen3.model.model import TransformerBlock
 
+from weightcast.contract.model_shape import SHAPES, ConfigExtras, ModelShape
+
 TRAIN_SPEC_NAME = "weightcast_qwen3"
 START_FLAVOR = "init-from"
 """The flavor a run started from a checkpoint trains: that checkpoint's own shape."""
-
-TINY = Qwen3ModelArgs(
-    vocab_size=1024,
-    max_seq_len=1024,
-    head_dim=64,
-    dim=128,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    qk_norm=True,
-    hidden_dim=384,
-    rope_theta=1_000_000,
-    enable_weight_tying=True,
-    eos_id=1,
-)
-"""Trains on 2 CPU cores in milliseconds a step; GQA (2 kv heads for 4 heads) and a
-head_dim (64) that is not hidden/heads (32), like the real 0.6B and 4B."""
-
-SMALL = Qwen3ModelArgs(
-    vocab_size=32_000,
-    max_seq_len=2048,
-    head_dim=64,
-    dim=1024,
-    n_layers=8,
-    n_heads=16,
-    n_kv_heads=8,
-    qk_norm=True,
-    hidden_dim=3072,
-    rope_theta=1_000_000,
-    enable_weight_tying=True,
-    eos_id=1,
-)
-"""About 133M parameters (a 0.27 GB bf16 snapshot): a mid-size model that a CPU still
-trains, for benchmarks and demos without a GPU."""
 
 
 def qwen3_moe_router(num_experts: int, top_k: int, norm_topk_prob: bool) -> MoEArgs:
@@ -90,16 +58,76 @@ def with_experts(args: Qwen3ModelArgs, **moe: Any) -> Qwen3MoeModelArgs:
     return Qwen3MoeModelArgs(**(fields | moe))
 
 
-TINY_MOE = with_experts(
-    TINY,
-    enable_weight_tying=False,
-    moe_enabled=True,
-    moe_inter_dim=64,
-    moe_args=qwen3_moe_router(num_experts=8, top_k=2, norm_topk_prob=True),
-)
-"""A Qwen3-MoE that trains on 2 CPU cores in about a second a step of 256 tokens: 8 experts of
-width 64, top-2 with renormalised weights, every layer sparse and untied like
-Qwen3-30B-A3B; otherwise :data:`TINY`."""
+def qwen3_args(
+    shape: ModelShape,
+    max_seq_len: int,
+    rope_theta: float = 1_000_000,
+    norm_eps: float = 1e-6,
+    eos_id: int = 1,
+) -> Qwen3ModelArgs:
+    """torchtitan's Qwen3 (Qwen3-MoE) args of ``shape``: its numbers from :class:`ModelShape`,
+    the one description of a model's shape; the rest are torchtitan's own fields. The layers
+    without experts (``mlp_only_layers``, those ``decoder_sparse_step`` skips) are dense."""
+    args = Qwen3ModelArgs(
+        vocab_size=shape.vocab_size,
+        max_seq_len=max_seq_len,
+        head_dim=shape.head_dim,
+        dim=shape.hidden_size,
+        n_layers=shape.num_layers,
+        n_heads=shape.num_heads,
+        n_kv_heads=shape.num_kv_heads,
+        qk_norm=True,
+        hidden_dim=shape.intermediate_size,
+        norm_eps=norm_eps,
+        rope_theta=rope_theta,
+        enable_weight_tying=shape.tie_word_embeddings,
+        eos_id=eos_id,
+    )
+    if not shape.moe:
+        return args
+    return with_experts(
+        args,
+        moe_enabled=True,
+        moe_inter_dim=shape.moe_intermediate_size,
+        moe_args=qwen3_moe_router(
+            shape.num_experts, shape.num_experts_per_tok, shape.norm_topk_prob
+        ),
+        dense_layers=tuple(i for i in range(shape.num_layers) if not shape.sparse(i)),
+    )
+
+
+def shape_of(args: Qwen3ModelArgs) -> ModelShape:
+    """The :class:`ModelShape` of torchtitan's args (:func:`qwen3_args` inverted; an MoE's
+    dense layers listed as ``mlp_only_layers``)."""
+    moe: dict[str, Any] = {}
+    if args.moe_enabled:
+        router = args.moe_args  # as qwen3_moe_router sets it, for every flavor and start
+        moe = {
+            "num_experts": router.num_experts,
+            "num_experts_per_tok": router.top_k,
+            "moe_intermediate_size": args.moe_inter_dim,
+            "mlp_only_layers": tuple(sorted(getattr(args, "dense_layers", ()))),
+            "norm_topk_prob": router.route_norm,
+        }
+    return ModelShape(
+        num_layers=args.n_layers,
+        hidden_size=args.dim,
+        intermediate_size=args.hidden_dim,
+        num_heads=args.n_heads,
+        num_kv_heads=args.n_kv_heads,
+        head_dim=args.head_dim,
+        vocab_size=args.vocab_size,
+        tie_word_embeddings=args.enable_weight_tying,
+        **moe,
+    )
+
+
+TINY = qwen3_args(SHAPES["tiny"], max_seq_len=1024)
+SMALL = qwen3_args(SHAPES["small"], max_seq_len=2048)
+TINY_MOE = qwen3_args(SHAPES["tiny-moe"], max_seq_len=1024)
+"""weightcast's own flavors: the shapes of :data:`~weightcast.contract.model_shape.SHAPES`
+(``tiny`` trains on 2 CPU cores in milliseconds a step, ``tiny-moe`` in about a second a step
+of 256 tokens, ``small`` is a mid-size model that a CPU still trains)."""
 
 
 class TiedQwen3Model(Qwen3Model):
@@ -209,47 +237,10 @@ def for_device(args: Qwen3ModelArgs) -> Qwen3ModelArgs:
 def hf_config(args: Qwen3ModelArgs, dtype: str = "bfloat16") -> dict[str, Any]:
     """The ``config.json`` of the HF ``Qwen3ForCausalLM`` (``Qwen3MoeForCausalLM`` for an
     MoE) with these args."""
-    dense = {
-        "architectures": ["Qwen3ForCausalLM"],
-        "model_type": "qwen3",
-        "vocab_size": args.vocab_size,
-        "hidden_size": args.dim,
-        "intermediate_size": args.hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "max_position_embeddings": args.max_seq_len,
-        "max_window_layers": args.n_layers,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
-        "tie_word_embeddings": args.enable_weight_tying,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "eos_token_id": args.eos_id,
-        "torch_dtype": dtype,
-    }
-    return (dense | _hf_moe_fields(args)) if args.moe_enabled else dense
-
-
-def _hf_moe_fields(args: Qwen3ModelArgs) -> dict[str, Any]:
-    """The fields HF's ``Qwen3MoeConfig`` adds: the dense layers listed, no auxiliary loss."""
-    moe = args.moe_args  # as qwen3_moe_router sets it, for every flavor and start
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "moe_intermediate_size": args.moe_inter_dim,
-        "norm_topk_prob": moe.route_norm,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": sorted(getattr(args, "dense_layers", ())),
-        "output_router_logits": False,
-        "router_aux_loss_coef": 0.001,
-    }
+    extras = ConfigExtras(
+        max_position_embeddings=args.max_seq_len,
+        rms_norm_eps=args.norm_eps,
+        rope_theta=args.rope_theta,
+        eos_token_id=args.eos_id,
+    )
+    return shape_of(args).to_hf_config(dtype, extras)

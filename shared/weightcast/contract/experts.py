@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightcast.contract.errors import LayoutError
-from weightcast.contract.fusion import (
+from weightcast.contract.model_shape import ModelShape
+from weightcast.contract.regions import (
     ColumnRange,
-    ModelShape,
     Region,
     RowRange,
     expect_rows,

@@ -10,15 +10,7 @@ from dataclasses import dataclass
 
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.experts import ExpertTensor, is_expert_source, plan_experts
-from weightcast.contract.fusion import (
-    ColumnRange,
-    FusedTensor,
-    ModelShape,
-    Region,
-    RowRange,
-    natural_key,
-    plan_vllm_fused,
-)
+from weightcast.contract.fusion import FusedTensor, natural_key, plan_vllm_fused
 from weightcast.contract.layout import (
     FUSED_WEIGHTS_FILE,
     HF_DIR,
@@ -29,6 +21,8 @@ from weightcast.contract.layout import (
     fused_rank_file,
     hf_file_name,
 )
+from weightcast.contract.model_shape import ModelShape
+from weightcast.contract.regions import ColumnRange, Region, RowRange
 from weightcast.contract.sharding import Shard, ShardKind, rank_slice
 from weightcast.contract.tensorfile import nbytes
 

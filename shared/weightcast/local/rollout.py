@@ -22,14 +22,16 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from weightcast.client.node import Node
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.errors import LayoutError, WeightsError
-from weightcast.contract.fusion import ModelShape, unfuse
+from weightcast.contract.fusion import unfuse
+from weightcast.contract.model_shape import ModelShape
+from weightcast.local.policy import Policy
 from weightcast.runtime.config import Config, RolloutConfig
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage
@@ -38,18 +40,6 @@ log = get_logger("rollout")
 
 _IDLE_S = 0.05
 """How long the rollout loop sleeps when the queue is full (it rechecks versions meanwhile)."""
-
-
-class Policy(Protocol):
-    """Something to sample completions from; ``version`` tags the batches it produces."""
-
-    version: int
-    vocab_size: int
-
-    def sample(
-        self, prompts: torch.Tensor, length: int, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[N, length]`` sampled token ids and the log-probability each was sampled with."""
 
 
 @dataclass

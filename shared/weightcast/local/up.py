@@ -28,9 +28,9 @@ import redis
 from weightcast.contract.codec import META_FIELD
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.events import Published, parse_event
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
 from weightcast.contract.version_info import VersionInfo

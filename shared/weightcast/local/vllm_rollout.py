@@ -25,8 +25,8 @@ import torch
 from weightcast.client.node import Node
 from weightcast.client.vllm.driver import EngineError, LocalEngine, swap
 from weightcast.contract.errors import ConfigError, VersionGone, WeightsError
-from weightcast.contract.fusion import ModelShape
-from weightcast.local.rollout import Policy
+from weightcast.contract.model_shape import ModelShape
+from weightcast.local.policy import Policy
 from weightcast.runtime.config import Config, UpConfig
 from weightcast.runtime.logs import get_logger
 

@@ -58,8 +58,8 @@ from weightcast.client.vllm.placement import hf_tensors, packed_name
 from weightcast.client.vllm.protocol import REFUSED, InitInfo, Source, UpdateInfo, resolve
 from weightcast.client.vllm.staging import StagedVersion, stage
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.fusion import ModelShape, check_shapes
 from weightcast.contract.layout import LAYOUT_HF
+from weightcast.contract.model_shape import ModelShape, check_shapes
 from weightcast.contract.sharding import ShardKind
 from weightcast.runtime.settings import load_config
 

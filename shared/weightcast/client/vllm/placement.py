@@ -32,7 +32,8 @@ from weightcast.contract.experts import (
     intermediate_of_rank,
     local_experts,
 )
-from weightcast.contract.fusion import ModelShape, expected_shape, kv_head_of_rank
+from weightcast.contract.fusion import kv_head_of_rank
+from weightcast.contract.model_shape import ModelShape, expected_shape
 from weightcast.contract.sharding import ShardKind, rank_slice
 
 _PACKED = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")

@@ -17,8 +17,8 @@ from weightcast.client.reader import VersionReader
 from weightcast.client.vllm.protocol import Source
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import LayoutError, WeightsError
-from weightcast.contract.fusion import ModelShape
 from weightcast.contract.layout import LAYOUT_HF
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import Shard, ShardKind
 
 
