@@ -71,6 +71,16 @@ class Delta:
         """The delta file's size: every frame."""
         return sum(sum(f.lengths) for f in self.files)
 
+    def file_frames(self, name: str) -> tuple[int, list[int]] | None:
+        """Where the frames of weights file ``name`` begin in the delta file, and each
+        block's frame length; None for a file not listed."""
+        at = 0
+        for entry in self.files:
+            if entry.name == name:
+                return at, entry.lengths
+            at += sum(entry.lengths)
+        return None
+
     def frames(self, name: str) -> list[tuple[int, int]]:
         """Where block ``i``'s frame of weights file ``name`` lies in the delta file:
         ``(offset, length)``, length 0 for an unchanged block; [] for a file not listed."""
@@ -145,15 +155,13 @@ def encode_block(
     return compressor.compress(xor(new, base, out=out).data)
 
 
-def frame_bound(block_bytes: int) -> int:
+def frame_bound(block_bytes: Any) -> Any:
     """The most bytes a zstd frame of a ``block_bytes`` block takes (zstd's
-    ``ZSTD_COMPRESSBOUND``): a longer frame is no frame of that block, and is refused before
-    it is read."""
+    ``ZSTD_COMPRESSBOUND``; of each, for an array): a longer frame is no frame of that block,
+    and is refused before it is read."""
     small = 128 * 1024
     return (
-        block_bytes
-        + (block_bytes >> 8)
-        + ((small - block_bytes) >> 11 if block_bytes < small else 0)
+        block_bytes + (block_bytes >> 8) + (((small - block_bytes) * (block_bytes < small)) >> 11)
     )
 
 
