@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import resource
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +27,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from weightcast.client.node import Node
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 
@@ -373,3 +377,48 @@ def test_random_mutations_never_crash_a_node_or_return_unverified_bytes(
 
     check()
     assert outcomes["refused"] > EXAMPLES // 2, outcomes  # the mutations mostly do harm
+
+
+@pytest.fixture
+def capped_memory() -> Iterator[None]:
+    """The process may map at most 8 GiB more than it has now (so a runaway allocation fails
+    at once whatever the host's overcommit policy), until the test ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmSize:")
+    )
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (8 << 30), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_version_that_needs_more_memory_than_the_node_has_is_refused_and_the_next_loaded(
+    deployment: Deployment, capped_memory: None
+) -> None:
+    """A sparse weights file of 16 TiB listed as one block: reading its header means reading
+    that block. The node refuses the version (a WeightsError, not a MemoryError that would end
+    ``follow``) and loads the next good one."""
+    version = Version(deployment)
+    weights = version.directory / "model.vllm-fused"
+    size = 2**44 - 4096  # ext4's largest file
+    os.truncate(weights, size)
+    manifest = copy.deepcopy(version.valid)
+    manifest["files"][WEIGHTS].update(
+        bytes=size,
+        blocks={
+            "algorithm": "xxh3-128",
+            "block_bytes": size,
+            "digests": ["0" * 32],
+            "lengths": None,
+        },
+    )
+    manifest["delta"] = None
+    version.write(manifest)
+    node = Node(deployment.reader(), report_every=60)
+    assert node.load(version.number) is None
+    with pytest.raises(WeightsError, match="needs more memory than this node has"):
+        version.reader.rank_tensors(version.number, 0, TP)
+    good = Version(deployment)
+    assert node.load(good.number) is not None and node.current == good.number

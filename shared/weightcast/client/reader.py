@@ -35,7 +35,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -181,7 +182,7 @@ class VersionReader:
             entry = _file_entry(manifest, CONFIG_NAME)
             data = directory.read_small(CONFIG_NAME, MAX_CONFIG_BYTES, entry.bytes)
             _verify_bytes(entry, data, f"{directory.label}/{CONFIG_NAME}")
-        return json_object(data, f"{directory.label}/{CONFIG_NAME}", WeightsError)
+            return json_object(data, f"{directory.label}/{CONFIG_NAME}", WeightsError)
 
     def verify(self, info: VersionInfo) -> Manifest:
         """Check everything a node reads of the version: the manifest, ``config.json`` and
@@ -305,8 +306,21 @@ class VersionReader:
                 raise
         return tensors
 
-    def _open(self, info: VersionInfo) -> VersionDir:
-        return VersionDir(self.root, registered_parts(info.path, self.root, self.root_as_given))
+    @contextmanager
+    def _open(self, info: VersionInfo) -> Iterator[VersionDir]:
+        """The version directory, open while the caller reads it. Running out of memory on
+        what the version's files or entry hold is the version's refusal (a WeightsError that
+        a node logs before it waits for the next version), not a crash."""
+        parts = registered_parts(info.path, self.root, self.root_as_given)
+        try:
+            with VersionDir(self.root, parts) as directory:
+                yield directory
+        except MemoryError:
+            raise WeightsError(
+                f"{self.root.joinpath(*parts)}: reading version {info.version} needs more "
+                "memory than this node has; refusing it (check the version's files, or give "
+                "the node more memory)"
+            ) from None
 
     def _manifest(self, directory: VersionDir, info: VersionInfo) -> Manifest:
         label = f"{directory.label}/{MANIFEST_NAME}"
