@@ -6,15 +6,22 @@ skipped a version."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis
 import torch
+import zstandard
 
 from weightcast.client.weights import WeightsClient
+from weightcast.contract.delta import DeltaFile
+from weightcast.contract.errors import WeightsError
 from weightcast.contract.keys import Keys
-from weightcast.contract.manifest import Manifest
+from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
 from helpers import Deployment, drift, hf_state, shape_of, write_snapshot
@@ -198,3 +205,230 @@ def test_a_failed_delta_leaves_the_held_version_whole(run: Run) -> None:
     node.rank_tensors(version, 0, TP)
     assert node.files.stats.via == "full"
     assert same(held, before)
+
+
+# -- a damaged or hostile delta: bounded, all or nothing, a fallback ---------------------------
+
+WEIGHTS_FILE = "model.vllm-fused"
+
+
+class Hostile:
+    """Version ``version`` as someone who can write the weights directory and Redis leaves it
+    (every digest and ``manifest_sha256`` recomputed): frames of the weights file replaced,
+    the manifest changed, then registered; :meth:`restore` puts the genuine version back."""
+
+    def __init__(self, run: Run, version: int) -> None:
+        self.run, self.version = run, version
+        self.directory = run.deployment.root / "weights" / f"v{version}"
+        self.manifest = run.manifest(version)
+        assert self.manifest.delta is not None
+        self.delta_path = self.directory / self.manifest.delta.file
+        self.saved = {p: p.read_bytes() for p in (self.directory / MANIFEST_NAME, self.delta_path)}
+
+    def changed_blocks(self) -> list[int]:
+        """The weights file's blocks with a frame (changed since the base)."""
+        assert self.manifest.delta is not None
+        return [i for i, (_, n) in enumerate(self.manifest.delta.frames(WEIGHTS_FILE)) if n]
+
+    def frame(self, index: int) -> bytes:
+        assert self.manifest.delta is not None
+        offset, length = self.manifest.delta.frames(WEIGHTS_FILE)[index]
+        return self.saved[self.delta_path][offset : offset + length]
+
+    def write(
+        self,
+        frames: dict[int, bytes] | None = None,
+        change: Callable[[Manifest], Manifest] | None = None,
+    ) -> None:
+        manifest, delta = self.manifest, self.manifest.delta
+        assert delta is not None
+        if frames:
+            pieces, files = [], []
+            for entry in delta.files:
+                lengths = []
+                for index, (offset, length) in enumerate(delta.frames(entry.name)):
+                    old = self.saved[self.delta_path][offset : offset + length]
+                    frame = frames.get(index, old) if entry.name == WEIGHTS_FILE else old
+                    pieces.append(frame)
+                    lengths.append(len(frame))
+                files.append(DeltaFile(entry.name, lengths))
+            self.delta_path.write_bytes(b"".join(pieces))
+            delta = dataclasses.replace(delta, files=files)
+            listed = [
+                file_entry(self.delta_path) if f.name == delta.file else f for f in manifest.files
+            ]
+            manifest = dataclasses.replace(manifest, delta=delta, files=listed)
+        if change is not None:
+            manifest = change(manifest)
+        self.register(manifest.to_json().encode())
+
+    def register(self, text: bytes) -> None:
+        (self.directory / MANIFEST_NAME).write_bytes(text)
+        self.run.deployment.client.hset(
+            self.run.deployment.keys.version(self.version), "manifest_sha256", sha256_bytes(text)
+        )
+
+    def restore(self) -> None:
+        for path, data in self.saved.items():
+            path.write_bytes(data)
+        self.register(self.saved[self.directory / MANIFEST_NAME])
+
+
+def size_field(frame: bytes) -> tuple[int, int]:
+    """Where a zstd frame's header holds its content size: (offset, width)."""
+    descriptor = frame[4]
+    single = bool(descriptor & 0x20)
+    width = {0: int(single), 1: 2, 2: 4, 3: 8}[descriptor >> 6]
+    assert width, "the publisher writes the content size"
+    return 5 + (not single) + (0, 1, 2, 4)[descriptor & 3], width
+
+
+def declaring(frame: bytes, size: int) -> bytes:
+    """``frame`` with its header's content size set to ``size`` (the field's width kept)."""
+    at, width = size_field(frame)
+    value = size - 256 if width == 2 else size
+    return frame[:at] + value.to_bytes(width, "little") + frame[at + width :]
+
+
+def flipped(frame: bytes) -> bytes:
+    """``frame`` with the top bit of its content size flipped (a block of 256 bytes or more
+    then declares at least 32 KiB more: gigabytes for a four-byte field)."""
+    at, width = size_field(frame)
+    return frame[: at + width - 1] + bytes([frame[at + width - 1] ^ 0x80]) + frame[at + width :]
+
+
+def four_exbibytes() -> bytes:
+    """An 18-byte zstd frame that declares 4 EiB: one RLE block of 128 KiB zeros."""
+    header = (0xFD2FB528).to_bytes(4, "little") + bytes([0xE0]) + (4 << 60).to_bytes(8, "little")
+    rle = ((128 * 1024) << 3 | 1 << 1 | 1).to_bytes(3, "little")
+    return header + rle + b"\0" + b"\0"
+
+
+def bomb(size: int, declared: bool) -> bytes:
+    """A small frame that really decompresses to ``size`` zero bytes."""
+    writer = zstandard.ZstdCompressor(level=1).compressobj(size=size if declared else -1)
+    chunk = bytes(1 << 20)
+    return b"".join(writer.compress(chunk) for _ in range(size >> 20)) + writer.flush()
+
+
+def peak_traced(read: Callable[[], object]) -> int:
+    """The most bytes Python and numpy held at once above the start, during ``read``."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        start, _ = tracemalloc.get_traced_memory()
+        read()
+        return tracemalloc.get_traced_memory()[1] - start
+    finally:
+        tracemalloc.stop()
+
+
+HOSTILE_FRAMES: dict[str, Callable[[bytes], bytes]] = {
+    "an 18-byte frame that declares 4 EiB": lambda frame: four_exbibytes(),
+    "a flipped bit in the content size field": flipped,
+    "a 16 KB frame that declares 512 MiB and holds them": lambda frame: bomb(512 << 20, True),
+    "a 16 KB frame that holds 512 MiB undeclared": lambda frame: bomb(512 << 20, False),
+    "a frame one byte short of its block": lambda frame: declaring(
+        frame, zstandard.get_frame_parameters(frame).content_size - 1
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_FRAMES))
+def test_a_frame_that_holds_or_declares_more_than_its_block_costs_only_the_block(
+    run: Run, case: str
+) -> None:
+    """Refused as a damaged delta before anything is sized by it: the full version is read,
+    the node's memory grows by a few blocks at most, and the next version is read by delta."""
+    node, full = keeping(run), run.deployment.reader()
+    node.rank_tensors(run.publish(), 0, TP)
+    version = run.publish()
+    hostile = Hostile(run, version)
+    largest = max(hostile.changed_blocks(), key=lambda index: len(hostile.frame(index)))
+    hostile.write(frames={largest: HOSTILE_FRAMES[case](hostile.frame(largest))})
+    peak = peak_traced(lambda: node.rank_tensors(version, 0, TP))
+    assert node.files.stats.via == "full"
+    assert node.files.stats.reason.startswith("the delta failed: "), node.files.stats.reason
+    assert peak < 96 << 20, f"{peak / 2**20:.0f} MiB"  # the full read's windows, no bomb
+    assert same(node.rank_tensors(version, 0, TP), full.rank_tensors(version, 0, TP))
+    node.rank_tensors(run.publish(), 0, TP)
+    assert node.files.stats.via == "delta", node.files.stats.reason
+
+
+def dtype_lie(manifest: Manifest) -> Manifest:
+    """A bfloat16 tensor listed as float16 (same size: the manifest parses)."""
+    tensors = [
+        dataclasses.replace(t, dtype="float16") if t.name == "model.norm.weight" else t
+        for t in manifest.tensors
+    ]
+    return dataclasses.replace(manifest, tensors=tensors)
+
+
+def shape_lie(manifest: Manifest) -> Manifest:
+    """The embedding's two dimensions swapped (same size)."""
+    tensors = [
+        dataclasses.replace(t, shape=t.shape[::-1]) if t.name == "lm_head.weight" else t
+        for t in manifest.tensors
+    ]
+    return dataclasses.replace(manifest, tensors=tensors)
+
+
+def renamed(manifest: Manifest) -> Manifest:
+    """A tensor listed under a name its file's header does not have."""
+    tensors = [
+        dataclasses.replace(t, name=t.name + ".x") if t.name == "model.norm.weight" else t
+        for t in manifest.tensors
+    ]
+    return dataclasses.replace(manifest, tensors=tensors)
+
+
+REFUSALS = {
+    "a dtype lie": (dtype_lie, "tensor model.norm.weight is missing or not float16"),
+    "a shape lie": (shape_lie, "tensor lm_head.weight is missing or not bfloat16"),
+    "a tensor the file does not hold": (renamed, "tensor model.norm.weight.x is missing"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_a_version_refused_after_its_delta_applies_leaves_the_held_tensors_as_they_were(
+    run: Run, case: str
+) -> None:
+    """The new header and tensor parts are checked before a byte changes: the refused version
+    changes nothing the node holds, and once the version is put right it reads by delta."""
+    change, message = REFUSALS[case]
+    node, full = keeping(run), run.deployment.reader()
+    first = run.publish()
+    held = node.rank_tensors(first, 0, TP)
+    before = {name: tensor.clone() for name, tensor in held.items()}
+    version = run.publish()
+    hostile = Hostile(run, version)
+    hostile.write(change=change)
+    with pytest.raises(WeightsError, match=re.escape(message)):
+        node.rank_tensors(version, 0, TP)
+    assert same(held, before)
+    assert node.files.base is not None and node.files.base.version == first
+    hostile.restore()
+    assert same(node.rank_tensors(version, 0, TP), full.rank_tensors(version, 0, TP))
+    assert node.files.stats.via == "delta", node.files.stats.reason
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "longer"])
+def test_a_damaged_or_missing_delta_file_makes_the_node_read_the_full_version(
+    run: Run, damage: str
+) -> None:
+    node, full = keeping(run), run.deployment.reader()
+    node.rank_tensors(run.publish(), 1, TP)
+    version = run.publish()
+    path = Hostile(run, version).delta_path
+    if damage == "truncated":
+        os.truncate(path, path.stat().st_size // 2)
+    elif damage == "missing":
+        path.unlink()
+    else:
+        with open(path, "ab") as f:
+            f.write(b"\0" * 64)
+    assert same(node.rank_tensors(version, 1, TP), full.rank_tensors(version, 1, TP))
+    assert node.files.stats.via == "full"
+    assert node.files.stats.reason.startswith(f"the delta failed: {path}"), node.files.stats.reason
+    node.rank_tensors(run.publish(), 1, TP)
+    assert node.files.stats.via == "delta", node.files.stats.reason

@@ -13,9 +13,13 @@ bytes as safetensors reads them, so a byte never read or verified shows.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import os
 import re
+import resource
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,16 +28,20 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
+from weightcast.client.node import Node
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
+from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 
 from helpers import (
     Deployment,
     copy_version,
+    drift,
+    hf_state,
     rank_part,
     redigest,
     register_version,
     split_per_rank,
+    write_snapshot,
 )
 
 TP = 2
@@ -314,10 +322,11 @@ def replacements(value: object) -> st.SearchStrategy[object]:
 
 
 @st.composite
-def mutated(draw: st.DrawFn, valid: dict) -> dict:
+def mutated(draw: st.DrawFn, valid: dict, under: Path_ = ()) -> dict:
+    """``valid`` with one to three of its places (below ``under``) replaced or removed."""
     manifest = copy.deepcopy(valid)
     for _ in range(draw(st.integers(1, 3))):
-        places = list(paths(manifest))
+        places = [p for p in paths(manifest) if p[: len(under)] == under and p != under]
         if not places:
             break
         path = draw(st.sampled_from(places))
@@ -373,3 +382,148 @@ def test_random_mutations_never_crash_a_node_or_return_unverified_bytes(
 
     check()
     assert outcomes["refused"] > EXAMPLES // 2, outcomes  # the mutations mostly do harm
+
+
+@pytest.fixture
+def capped_memory() -> Iterator[None]:
+    """The process may map at most 8 GiB more than it has now (so a runaway allocation fails
+    at once whatever the host's overcommit policy), until the test ends."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    mapped = next(
+        int(line.split()[1]) * 1024
+        for line in Path("/proc/self/status").read_text().splitlines()
+        if line.startswith("VmSize:")
+    )
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + (8 << 30), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def test_a_version_that_needs_more_memory_than_the_node_has_is_refused_and_the_next_loaded(
+    deployment: Deployment, capped_memory: None
+) -> None:
+    """A sparse weights file of 16 TiB listed as one block: reading its header means reading
+    that block. The node refuses the version (a WeightsError, not a MemoryError that would end
+    ``follow``) and loads the next good one."""
+    version = Version(deployment)
+    weights = version.directory / "model.vllm-fused"
+    size = 2**44 - 4096  # ext4's largest file
+    os.truncate(weights, size)
+    manifest = copy.deepcopy(version.valid)
+    manifest["files"][WEIGHTS].update(
+        bytes=size,
+        blocks={
+            "algorithm": "xxh3-128",
+            "block_bytes": size,
+            "digests": ["0" * 32],
+            "lengths": None,
+        },
+    )
+    manifest["delta"] = None
+    version.write(manifest)
+    node = Node(deployment.reader(), report_every=60)
+    assert node.load(version.number) is None
+    with pytest.raises(WeightsError, match="needs more memory than this node has"):
+        version.reader.rank_tensors(version.number, 0, TP)
+    good = Version(deployment)
+    assert node.load(good.number) is not None and node.current == good.number
+
+
+# -- random mutations of a delta -----------------------------------------------------------
+
+
+@st.composite
+def damaged(draw: st.DrawFn, frames: bytes) -> bytes:
+    """The delta file's bytes with one to eight bytes changed, or cut short, or lengthened."""
+    data = bytearray(frames)
+    kind = draw(st.sampled_from(["bytes", "bytes", "cut", "longer"]))
+    if kind == "cut":
+        return bytes(data[: draw(st.integers(0, len(data) - 1))])
+    if kind == "longer":
+        return bytes(data) + draw(st.binary(min_size=1, max_size=64))
+    for _ in range(draw(st.integers(1, 8))):
+        at = draw(st.integers(0, len(data) - 1))
+        data[at] = draw(st.sampled_from([data[at] ^ 1, data[at] ^ 0x80, 0, 0xFF]))
+    return bytes(data)
+
+
+def listed_to_fit(manifest: dict, frames: bytes, path: Path) -> None:
+    """As a writer who changes the delta's lengths would leave it: the delta file cut or
+    padded to the bytes they add up to, and listed with that size and its block digests
+    (so that more mutations pass the manifest's own checks and reach the node's read)."""
+    try:
+        delta = manifest["delta"]
+        total = sum(sum(entry["lengths"]) for entry in delta["files"])
+        listed = next(f for f in manifest["files"] if f["name"] == delta["file"])
+    except (TypeError, KeyError, AttributeError, StopIteration):
+        return
+    if type(total) is not int or not 0 <= total <= 2 * len(frames):
+        return
+    path.write_bytes((frames + bytes(total))[:total])
+    entry = file_entry(path)
+    assert entry.blocks is not None
+    listed.update(bytes=entry.bytes, blocks=dataclasses.asdict(entry.blocks), sha256=None)
+
+
+@pytest.mark.parametrize("target", ["the delta file", "the manifest's delta"])
+def test_random_damage_to_a_delta_leaves_a_node_whole_or_reads_verified_bytes(
+    deployment: Deployment, poisoned: None, target: str
+) -> None:
+    """A node holding v1 (keep_base) reads a copy of v2 whose delta is damaged: it reads the
+    version (by delta or in full) with every returned byte the file's, and the held tensors
+    either v1 still or, by delta, the returned ones; only a damaged manifest may refuse it
+    (a WeightsError), the held tensors bitwise v1."""
+    deployment.step += 1
+    state = hf_state(deployment.shape, torch.bfloat16)
+    drift(state, deployment.step)  # what a training step does to v1's values
+    write_snapshot(deployment.root / "checkpoints", deployment.step, deployment.shape, state)
+    deployment.publisher.scan_once()
+    version = Version(deployment, int(deployment.client.get(deployment.keys.latest)))
+    assert version.valid["delta"]["base_version"] == 1, "the publisher wrote a delta from v1"
+    delta_path = version.directory / version.valid["delta"]["file"]
+    frames = delta_path.read_bytes()
+    assert frames, "blocks changed"
+    outcomes: dict[str, int] = {}
+    strategy = damaged(frames) if target == "the delta file" else mutated(version.valid, ("delta",))
+
+    @seed(29)
+    @settings(
+        max_examples=EXAMPLES // 2,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(strategy, st.integers(0, TP - 1))
+    def check(change: Any, rank: int) -> None:
+        node = deployment.reader()
+        node.files.keep_base = True
+        held = node.rank_tensors(1, rank, TP)
+        before = {name: raw_bytes(tensor).clone() for name, tensor in held.items()}
+        if target == "the delta file":
+            delta_path.write_bytes(change)
+            version.write(version.valid)
+        else:
+            delta_path.write_bytes(frames)
+            listed_to_fit(change, frames, delta_path)
+            version.write(change)
+        try:
+            tensors = node.rank_tensors(version.number, rank, TP)
+        except WeightsError as exc:
+            assert target != "the delta file", f"a damaged delta file refused the version: {exc}"
+            assert str(version.directory) in str(exc) or MANIFEST_NAME in str(exc), str(exc)
+            outcome = "refused"
+        else:
+            assert_bytes_of_the_file(version, tensors, rank)
+            outcome = node.files.stats.via
+        unchanged = all(torch.equal(raw_bytes(held[k]), before[k]) for k in held)
+        if outcome == "delta":
+            assert all(held[k].data_ptr() == tensors[k].data_ptr() for k in held)
+        else:
+            assert unchanged, f"{outcome}: the held tensors changed"
+            assert node.files.base is not None and node.files.base.version == (
+                1 if outcome == "refused" else version.number
+            )
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+    check()
+    assert outcomes.get("full", 0) + outcomes.get("refused", 0) > EXAMPLES // 4, outcomes

@@ -10,6 +10,7 @@ import re
 
 import numpy as np
 import pytest
+import zstandard
 
 from weightcast.contract.delta import (
     Delta,
@@ -19,6 +20,7 @@ from weightcast.contract.delta import (
     compressor,
     decompressor,
     encode_block,
+    frame_bound,
     xor,
 )
 from weightcast.contract.manifest import BlockDigests, FileEntry, Manifest, ManifestError
@@ -75,6 +77,33 @@ def test_a_cut_frame_or_a_base_of_another_size_is_refused() -> None:
         apply_block(good, block(base[:4000]), decompressor())
     with pytest.raises(DeltaError, match="does not decode"):
         apply_block(b"not zstd", block(base), decompressor())
+
+
+def test_a_frame_that_declares_asks_or_holds_more_than_its_block_is_refused_cheaply() -> None:
+    """The header is read before anything is sized by it, and the output is bounded by the
+    block: a frame that declares 4 EiB, asks a 2 GiB window or holds 64 MiB costs a block."""
+    base = block(os.urandom(4096))
+    frame = encode_block(nearby(base.tobytes(), 5), base, compressor())
+    too_long = zstandard.ZstdCompressor(level=1).compressobj(size=-1)
+    bomb = too_long.compress(bytes(64 << 20)) + too_long.flush()
+    assert zstandard.get_frame_parameters(bomb).content_size == zstandard.CONTENTSIZE_UNKNOWN
+    huge_window = zstandard.ZstdCompressor(
+        compression_params=zstandard.ZstdCompressionParameters(window_log=31, strategy=1)
+    ).compressobj(size=-1)
+    wide = huge_window.compress(bytes(4096)) + huge_window.flush()
+    cases = {
+        "declares 4611686018427387904 bytes for a block of 4096": (
+            frame[:4] + bytes([0xE0]) + (4 << 60).to_bytes(8, "little") + frame[6:]
+        ),
+        "declares 4097 bytes": encode_block(bytes(4097), bytes(4097), compressor()),
+        "holds more than the 4096 bytes of its block": bomb[: frame_bound(4096)],
+        "asks a window of 2147483648 bytes": wide,
+        "too long for a block of 4096": frame + bytes(frame_bound(4096)),
+    }
+    for message, hostile in cases.items():
+        with pytest.raises(DeltaError, match=re.escape(message)):
+            apply_block(hostile, base, decompressor(), in_place=True)
+    assert apply_block(frame, base, decompressor(), scratch=np.empty(8192, np.uint8)).size == 4096
 
 
 def test_frames_lie_one_after_another_in_file_and_block_order() -> None:

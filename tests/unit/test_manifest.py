@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from weightcast.contract.manifest import (
     sha256_file,
     verify_files,
 )
+from weightcast.contract.untrusted import MAX_CONTAINERS
 
 
 def blocks_of(data: bytes, lengths: list[int] | None, block_bytes: int) -> BlockDigests:
@@ -82,3 +84,18 @@ def test_a_newer_manifest_format_tells_the_operator_to_upgrade_the_node() -> Non
         r"upgrade weightcast on this node",
     ):
         Manifest.from_json(newer)
+
+
+def test_a_manifest_of_a_million_empty_lists_is_refused_before_it_is_parsed() -> None:
+    """Two bytes of ``[]`` would be 64 bytes of Python each: the brackets are counted first,
+    so the parse costs nothing like the 64 MiB the lists would take."""
+    lists = MAX_CONTAINERS + 1
+    text = b'{"files": [' + b"[]," * (lists - 2) + b"[]]}"
+    tracemalloc.start()
+    try:
+        with pytest.raises(ManifestError, match=f"holds {lists + 1} JSON objects and arrays"):
+            Manifest.from_json(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < len(text), peak

@@ -5,7 +5,7 @@ is used.
 :class:`HeldBase` is what a reader keeps (``keep_base``): per file a :class:`HeldFile`, the
 verified blocks it read packed in one host buffer, which the tensors it returned are views
 of. :func:`delta_refusal` says why a version cannot be read by delta from it (the node then
-reads the full version and reports why); :func:`apply_delta` applies the delta's frames of
+reads the full version and reports why); :class:`DeltaApply` applies the delta's frames of
 exactly those blocks in place (:mod:`weightcast.contract.delta`) and verifies each result.
 Nothing is copied: the node's cost is one decompression, one XOR and one hash per block. A
 failure puts every block back (XOR is its own inverse), so the base, and the tensors the
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,11 +26,18 @@ import torch
 
 from weightcast.client.block_reads import tensor_bytes
 from weightcast.client.confine import OpenFile
-from weightcast.contract.delta import Delta, DeltaError, apply_block, decompressor
+from weightcast.contract.delta import Delta, DeltaError, apply_block, decompressor, frame_bound
+from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import FileEntry, Manifest, digest_bytes
 
 WORKERS = 2
-"""Blocks rebuilt at once (zstd, numpy and xxhash release the GIL)."""
+"""Jobs run at once (zstd, numpy and xxhash release the GIL)."""
+IN_FLIGHT = 2 * WORKERS
+"""Jobs read and queued or running at once: the window that bounds a read's work in flight."""
+JOB_BLOCKS = 64
+"""Blocks a job rebuilds at most (one future per job, not per block)."""
+JOB_BYTES = 16 * 1024 * 1024
+"""Frame bytes a job reads at most (one frame at least)."""
 _ALIGN = 64
 """Each run of blocks sits at the same offset modulo this in the buffer as in the file, so
 a tensor aligned in the file is aligned in the buffer (and can be a view of it)."""
@@ -122,68 +130,206 @@ def delta_refusal(base: HeldBase | None, manifest: Manifest, wants: tuple[object
     return ""
 
 
-@dataclass(frozen=True)
-class _Job:
+@dataclass
+class _FileFrames:
+    """The held blocks of one file and where their frames are in the delta file, as arrays
+    (a few bytes a block, whatever the count); ``done`` marks the blocks changed so far."""
+
     entry: FileEntry
     held: HeldFile
-    index: int
-    frame: bytes
+    indices: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    done: np.ndarray
 
 
-def apply_delta(
-    delta: Delta, delta_file: OpenFile, files: Iterable[tuple[FileEntry, FileEntry, HeldFile]]
-) -> int:
-    """Turn the held blocks of the base into version N's, in place: for each (N's entry, the
-    base's entry, the held file), the delta's frames of the held blocks applied, and every
-    block verified against N's digest. Returns the delta bytes read.
+@dataclass(frozen=True)
+class _Job:
+    """Held blocks ``[lo, hi)`` of one file, their frames read as one piece from ``start``."""
 
-    :class:`DeltaError` for a file the delta does not cover, blocks cut otherwise than in the
-    base, a frame that does not decode, or a rebuilt block whose digest is not N's; every
-    block changed by then is changed back first, so the held blocks are the base again."""
-    jobs: list[_Job] = []
-    read = 0
-    for entry, base_entry, held in files:
-        if entry.blocks is None or base_entry.blocks is None:
-            raise DeltaError(f"{entry.name} has no block digests")
-        if entry.blocks.starts != base_entry.blocks.starts:
-            raise DeltaError(f"{entry.name} is cut into other blocks than in the base")
-        frames = delta.frames(entry.name)
-        if len(frames) != len(entry.blocks.digests):
-            raise DeltaError(f"the delta does not cover {entry.name}")
-        for index in sorted(held.offsets):
-            offset, length = frames[index]
-            frame = delta_file.read_at(offset, length) if length else b""
-            jobs.append(_Job(entry, held, index, frame))
-            read += length
-    local = threading.local()
-    applied: list[_Job] = []
+    file: _FileFrames
+    lo: int
+    hi: int
+    start: int
+    frames: bytes
 
-    def unzstd(job: _Job) -> None:
-        if not hasattr(local, "unzstd"):
-            local.unzstd = decompressor()
-        apply_block(job.frame, job.held.block(job.index), local.unzstd, in_place=True)
+    def frame(self, at: int) -> memoryview:
+        offset = int(self.file.offsets[at]) - self.start
+        return memoryview(self.frames)[offset : offset + int(self.file.lengths[at])]
 
-    def one(job: _Job) -> None:
-        if job.frame:
-            unzstd(job)
-            applied.append(job)
-        blocks = job.entry.blocks
-        assert blocks is not None
-        if (
-            digest_bytes(blocks.algorithm, job.held.block(job.index).data)
-            != blocks.digests[job.index]
-        ):
-            start, stop = blocks.span(job.index, job.entry.bytes)
-            raise DeltaError(
-                f"{job.entry.name}: bytes {start}..{stop} rebuilt from the delta do not match "
-                f"the manifest's {blocks.algorithm} digest"
+
+class DeltaApply:
+    """Version N's held blocks rebuilt from the base's in place, all or nothing.
+
+    Made from the delta and the held files (:class:`DeltaError` for a file the delta does not
+    cover, blocks cut otherwise than in the base, a frame longer than any frame of its block):
+    nothing is read or changed yet. :meth:`rebuilt` gives N's bytes of a range without
+    changing a block (to check N's header and tensors first); :meth:`apply` changes every
+    held block, verifying each against N's digest, through a bounded window of jobs (work
+    and memory grow with the bytes read, not with a future per block); :meth:`revert`
+    changes them back (XOR is its own inverse), from the frames already read."""
+
+    def __init__(
+        self, delta: Delta, frames: OpenFile, files: Iterable[tuple[FileEntry, FileEntry, HeldFile]]
+    ) -> None:
+        self.frames = frames
+        self.files: list[_FileFrames] = []
+        self.jobs: list[_Job] = []
+        """Every job read so far, kept for :meth:`revert` (their frames: the bytes read)."""
+        self.bytes_read = 0
+        for entry, base_entry, held in files:
+            if entry.blocks is None or base_entry.blocks is None:
+                raise DeltaError(f"{entry.name} has no block digests")
+            if entry.blocks.starts != base_entry.blocks.starts:
+                raise DeltaError(f"{entry.name} is cut into other blocks than in the base")
+            listed = delta.file_frames(entry.name)
+            if listed is None or len(listed[1]) != len(entry.blocks.digests):
+                raise DeltaError(f"the delta does not cover {entry.name}")
+            first, lengths = listed
+            indices = np.fromiter(sorted(held.offsets), np.int64, len(held.offsets))
+            every = np.asarray(lengths, np.int64)
+            offsets = first + np.cumsum(every) - every
+            starts = np.asarray(entry.blocks.starts, np.int64)
+            sizes = starts[indices + 1] - starts[indices]
+            too_long = every[indices] > frame_bound(sizes)
+            if too_long.any():
+                index = int(indices[np.argmax(too_long)])
+                raise DeltaError(
+                    f"{entry.name}: the frame of block {index} ({lengths[index]} bytes) is "
+                    f"longer than any frame of its {int(sizes[np.argmax(too_long)])} bytes"
+                )
+            self.files.append(
+                _FileFrames(
+                    entry,
+                    held,
+                    indices,
+                    offsets[indices],
+                    every[indices],
+                    np.zeros(len(indices), np.bool_),
+                )
             )
 
-    with ThreadPoolExecutor(WORKERS) as pool:
-        outcomes = [pool.submit(one, job) for job in jobs]
-    failed = next((e for o in outcomes if (e := o.exception()) is not None), None)
-    if failed is not None:
+    def rebuilt(self, name: str, start: int, stop: int) -> bytes | None:
+        """Version N's bytes ``[start, stop)`` of file ``name``, each block rebuilt aside and
+        verified (the held blocks unchanged); None when a block of them is not held."""
+        file = next(f for f in self.files if f.entry.name == name)
+        blocks = file.entry.blocks
+        assert blocks is not None
+        first = bisect.bisect_right(blocks.starts, start) - 1
+        last = bisect.bisect_left(blocks.starts, stop) - 1
+        pieces = []
+        for index in range(max(first, 0), last + 1):
+            at = int(np.searchsorted(file.indices, index))
+            if at == len(file.indices) or file.indices[at] != index:
+                return None
+            block = file.held.block(index)
+            length = int(file.lengths[at])
+            if length:
+                offset = int(file.offsets[at])
+                job = _Job(file, at, at + 1, offset, self._read(offset, length))
+                block = apply_block(job.frame(at), block, decompressor())
+            _verify(file, index, block)
+            pieces.append(block.tobytes())
+        data = b"".join(pieces)
+        lo = start - blocks.starts[max(first, 0)]
+        return data[lo : lo + stop - start]
+
+    def apply(self) -> int:
+        """Change every held block into version N's and verify it; on any failure every block
+        changed is changed back, then the error raised. Returns the delta bytes read."""
+        local = threading.local()
+        in_flight: deque[Future[None]] = deque()
+        failed: BaseException | None = None
+
+        def run(job: _Job) -> None:
+            if not hasattr(local, "unzstd"):
+                local.unzstd = decompressor()
+                local.scratch = np.empty(0, np.uint8)
+            self._apply(job, local)
+
         with ThreadPoolExecutor(WORKERS) as pool:
-            list(pool.map(unzstd, applied))  # XOR again: the base, as it was
-        raise failed
-    return read
+            try:
+                for job in self._jobs():
+                    if len(in_flight) >= IN_FLIGHT and (failed := in_flight.popleft().exception()):
+                        break
+                    in_flight.append(pool.submit(run, job))
+            except BaseException as exc:  # a frame that cannot be read: wait, then undo
+                failed = exc
+            for future in in_flight:
+                failed = failed or future.exception()
+        if failed is not None:
+            self.revert()
+            raise failed
+        return self.bytes_read
+
+    def revert(self) -> None:
+        """Every block changed so far changed back: the held blocks are the base again."""
+        unzstd, scratch = decompressor(), np.empty(0, np.uint8)
+        for job in self.jobs:
+            for at in range(job.lo, job.hi):
+                if job.file.done[at]:
+                    block = job.file.held.block(int(job.file.indices[at]))
+                    scratch = _room(scratch, block.size)
+                    apply_block(job.frame(at), block, unzstd, in_place=True, scratch=scratch)
+                    job.file.done[at] = False
+
+    def _jobs(self) -> Iterator[_Job]:
+        """Runs of held blocks whose frames follow each other, at most JOB_BLOCKS blocks and
+        JOB_BYTES of frames (one frame at least) each, their frames read as one piece."""
+        for file in self.files:
+            count, lo = len(file.indices), 0
+            while lo < count:
+                start = int(file.offsets[lo])
+                hi = lo + 1
+                while (
+                    hi < count
+                    and hi - lo < JOB_BLOCKS
+                    and file.indices[hi] == file.indices[hi - 1] + 1
+                    and file.offsets[hi] + file.lengths[hi] - start <= JOB_BYTES
+                ):
+                    hi += 1
+                stop = int(file.offsets[hi - 1] + file.lengths[hi - 1])
+                job = _Job(file, lo, hi, start, self._read(start, stop - start))
+                self.jobs.append(job)
+                yield job
+                lo = hi
+
+    def _read(self, offset: int, length: int) -> bytes:
+        if not length:
+            return b""
+        try:
+            data = self.frames.read_at(offset, length)
+        except WeightsError as exc:  # the delta file shrank: a damaged delta
+            raise DeltaError(str(exc)) from None
+        self.bytes_read += length
+        return data
+
+    @staticmethod
+    def _apply(job: _Job, local: threading.local) -> None:
+        file = job.file
+        for at in range(job.lo, job.hi):
+            index = int(file.indices[at])
+            block = file.held.block(index)
+            if file.lengths[at]:
+                local.scratch = _room(local.scratch, block.size)
+                apply_block(
+                    job.frame(at), block, local.unzstd, in_place=True, scratch=local.scratch
+                )
+                file.done[at] = True
+            _verify(file, index, block)
+
+
+def _room(scratch: np.ndarray, size: int) -> np.ndarray:
+    """``scratch``, or a larger one when it is shorter than ``size``."""
+    return scratch if scratch.size >= size else np.empty(size, np.uint8)
+
+
+def _verify(file: _FileFrames, index: int, block: np.ndarray) -> None:
+    blocks = file.entry.blocks
+    assert blocks is not None
+    if digest_bytes(blocks.algorithm, block.data) != blocks.digests[index]:
+        start, stop = blocks.span(index, file.entry.bytes)
+        raise DeltaError(
+            f"{file.entry.name}: bytes {start}..{stop} rebuilt from the delta do not match "
+            f"the manifest's {blocks.algorithm} digest"
+        )

@@ -35,8 +35,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +51,9 @@ from weightcast.client.confine import (
     plain_name,
     registered_parts,
 )
-from weightcast.client.delta_reads import HeldBase, HeldFile, apply_delta, delta_refusal
+from weightcast.client.delta_reads import DeltaApply, HeldBase, HeldFile, delta_refusal
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
-from weightcast.contract.delta import DeltaError
+from weightcast.contract.delta import Delta, DeltaError
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.manifest import (
     MANIFEST_NAME,
@@ -180,7 +182,7 @@ class VersionReader:
             entry = _file_entry(manifest, CONFIG_NAME)
             data = directory.read_small(CONFIG_NAME, MAX_CONFIG_BYTES, entry.bytes)
             _verify_bytes(entry, data, f"{directory.label}/{CONFIG_NAME}")
-        return json_object(data, f"{directory.label}/{CONFIG_NAME}", WeightsError)
+            return json_object(data, f"{directory.label}/{CONFIG_NAME}", WeightsError)
 
     def verify(self, info: VersionInfo) -> Manifest:
         """Check everything a node reads of the version: the manifest, ``config.json`` and
@@ -270,8 +272,10 @@ class VersionReader:
         stats: ReadStats,
     ) -> dict[str, torch.Tensor]:
         """The wanted tensors, the base's held blocks turned into this version's in place
-        (:func:`~weightcast.client.delta_reads.apply_delta`, every block verified): views
-        of them where the tensor's bytes are contiguous."""
+        (:class:`~weightcast.client.delta_reads.DeltaApply`, every block verified): views of
+        them where the tensor's bytes are contiguous. All or nothing: the new headers and
+        every tensor part are checked on blocks rebuilt aside before a held byte changes, and
+        a failure after that changes every block back."""
         assert self.base is not None and manifest.delta is not None
         delta = manifest.delta
         files = []
@@ -280,19 +284,43 @@ class VersionReader:
             if held is None:
                 raise DeltaError(f"the node holds no block of {name}")
             files.append((_file_entry(manifest, name), _file_entry(self.base.manifest, name), held))
-        with directory.open(delta.file, _file_entry(manifest, delta.file).bytes) as frames:
-            stats.bytes_read += apply_delta(delta, frames, files)
-        tensors: dict[str, torch.Tensor] = {}
-        for entry, _, held in files:
-            label = f"{directory.label}/{entry.name}"
-            spans = _header_of(held, entry, label)
-            parts = [_part(want, spans, label) for want in by_file[entry.name]]
-            tensors |= _held_tensors(held, parts, label)
-            stats.blocks_hashed += len(held.offsets)
+        with _delta_file(directory, manifest, delta) as frames:
+            change = DeltaApply(delta, frames, files)
+            parts = {}
+            for entry, _, held in files:
+                label = f"{directory.label}/{entry.name}"
+                spans = _header_spans(partial(change.rebuilt, entry.name), entry.bytes, label)
+                parts[entry.name] = [_part(want, spans, label) for want in by_file[entry.name]]
+                for p in parts[entry.name]:
+                    if held.span(*p.rect.extent) is None:
+                        raise DeltaError(f"{label}: the node holds no block of {p.name}")
+            stats.bytes_read += change.apply()
+            try:
+                tensors: dict[str, torch.Tensor] = {}
+                for entry, _, held in files:
+                    label = f"{directory.label}/{entry.name}"
+                    tensors |= _held_tensors(held, parts[entry.name], label)
+                    stats.blocks_hashed += len(held.offsets)
+            except BaseException:
+                change.revert()
+                raise
         return tensors
 
-    def _open(self, info: VersionInfo) -> VersionDir:
-        return VersionDir(self.root, registered_parts(info.path, self.root, self.root_as_given))
+    @contextmanager
+    def _open(self, info: VersionInfo) -> Iterator[VersionDir]:
+        """The version directory, open while the caller reads it. Running out of memory on
+        what the version's files or entry hold is the version's refusal (a WeightsError that
+        a node logs before it waits for the next version), not a crash."""
+        parts = registered_parts(info.path, self.root, self.root_as_given)
+        try:
+            with VersionDir(self.root, parts) as directory:
+                yield directory
+        except MemoryError:
+            raise WeightsError(
+                f"{self.root.joinpath(*parts)}: reading version {info.version} needs more "
+                "memory than this node has; refusing it (check the version's files, or give "
+                "the node more memory)"
+            ) from None
 
     def _manifest(self, directory: VersionDir, info: VersionInfo) -> Manifest:
         label = f"{directory.label}/{MANIFEST_NAME}"
@@ -425,20 +453,32 @@ def _held_tensors(held: HeldFile, parts: Sequence[_Part], label: str) -> dict[st
     return outputs
 
 
-def _header_of(held: HeldFile, entry: FileEntry, label: str) -> dict[str, TensorSpan]:
-    """The file's tensors by name, from its header, parsed out of its first held blocks."""
+def _header_spans(
+    span: Callable[[int, int], bytes | None], size: int, label: str
+) -> dict[str, TensorSpan]:
+    """A file's tensors by name, from its header: ``span(start, stop)`` gives its verified
+    bytes (None: a block of them is not held, a :class:`DeltaError`)."""
     try:
-        prefix = held.span(0, min(PREFIX_BYTES, entry.bytes))
+        prefix = span(0, min(PREFIX_BYTES, size))
         if prefix is None:
             raise DeltaError(f"{label}: the node holds no block of its header")
-        stop = PREFIX_BYTES + header_length(prefix.numpy().tobytes(), entry.bytes, label)
-        head = held.span(PREFIX_BYTES, stop)
+        stop = PREFIX_BYTES + header_length(prefix, size, label)
+        head = span(PREFIX_BYTES, stop)
         if head is None:
             raise DeltaError(f"{label}: the node holds no block of its header")
-        header = parse_header(head.numpy().tobytes(), entry.bytes, label)
+        header = parse_header(head, size, label)
     except HeaderError as exc:
         raise WeightsError(str(exc)) from None
     return {span.name: span for span in header.tensors}
+
+
+def _delta_file(directory: VersionDir, manifest: Manifest, delta: Delta) -> OpenFile:
+    """The delta file, opened; one that is missing or not the size the manifest lists is a
+    damaged delta (the node reads the full version), not a refused version."""
+    try:
+        return directory.open(delta.file, _file_entry(manifest, delta.file).bytes)
+    except WeightsError as exc:
+        raise DeltaError(str(exc)) from None
 
 
 # -- what to read ------------------------------------------------------------------------

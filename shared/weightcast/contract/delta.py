@@ -71,6 +71,16 @@ class Delta:
         """The delta file's size: every frame."""
         return sum(sum(f.lengths) for f in self.files)
 
+    def file_frames(self, name: str) -> tuple[int, list[int]] | None:
+        """Where the frames of weights file ``name`` begin in the delta file, and each
+        block's frame length; None for a file not listed."""
+        at = 0
+        for entry in self.files:
+            if entry.name == name:
+                return at, entry.lengths
+            at += sum(entry.lengths)
+        return None
+
     def frames(self, name: str) -> list[tuple[int, int]]:
         """Where block ``i``'s frame of weights file ``name`` lies in the delta file:
         ``(offset, length)``, length 0 for an unchanged block; [] for a file not listed."""
@@ -145,27 +155,79 @@ def encode_block(
     return compressor.compress(xor(new, base, out=out).data)
 
 
+def frame_bound(block_bytes: Any) -> Any:
+    """The most bytes a zstd frame of a ``block_bytes`` block takes (zstd's
+    ``ZSTD_COMPRESSBOUND``; of each, for an array): a longer frame is no frame of that block,
+    and is refused before it is read."""
+    small = 128 * 1024
+    return (
+        block_bytes + (block_bytes >> 8) + (((small - block_bytes) * (block_bytes < small)) >> 11)
+    )
+
+
+WINDOW_FLOOR = 8 * 1024 * 1024
+"""The largest zstd window a frame may ask for beyond its block's length (a frame written
+without its content size names the compression level's window; level 1's is 512 KiB)."""
+
+
 def apply_block(
     frame: bytes | memoryview,
     base: np.ndarray,
     decompressor: zstandard.ZstdDecompressor,
     in_place: bool = False,
+    scratch: np.ndarray | None = None,
 ) -> np.ndarray:
     """The new block from its ``frame`` and the ``base`` block (uint8):
-    ``base XOR unzstd(frame)``, written over ``base`` itself when ``in_place``.
+    ``base XOR unzstd(frame)``, written over ``base`` itself when ``in_place``. ``scratch``
+    (uint8, at least the block's length) takes the decompressed bytes instead of a new array.
 
-    A frame that is not zstd, or whose content is not exactly the block's length, is a
-    :class:`DeltaError` (``base`` untouched); a frame that decodes but was damaged shows only
-    in the digest of the result, which the caller checks."""
+    A frame that is not zstd, that is longer than any frame of the block, or that declares,
+    asks a window for, or holds other than exactly the block's length is a
+    :class:`DeltaError` (``base`` untouched). Whatever its header says, nothing larger than
+    the block is allocated or decompressed: the header is read first, and the output is
+    read into the block's length plus one byte. A frame that decodes but was damaged shows
+    only in the digest of the result, which the caller checks."""
+    import numpy as np
+
+    size = base.size
+    change = np.empty(size, np.uint8) if scratch is None else scratch[:size]
+    _unzstd_into(frame, change, decompressor)
+    return xor(base, change, out=base if in_place else None)
+
+
+def _unzstd_into(
+    frame: bytes | memoryview, out: np.ndarray, decompressor: zstandard.ZstdDecompressor
+) -> None:
+    """Decompress ``frame`` into ``out``, which it must fill exactly (see apply_block)."""
     import zstandard
 
+    size = out.size
+    if len(frame) > frame_bound(size):
+        raise DeltaError(f"a delta frame of {len(frame)} bytes is too long for a block of {size}")
     try:
-        change = decompressor.decompress(frame, max_output_size=base.size)
+        header = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"a delta frame does not decode: {exc}") from None
-    if len(change) != base.size:
-        raise DeltaError(f"a delta frame holds {len(change)} bytes for a block of {base.size}")
-    return xor(base, change, out=base if in_place else None)
+    declared = header.content_size
+    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared != size:
+        raise DeltaError(f"a delta frame declares {declared} bytes for a block of {size}")
+    if header.window_size > max(size, WINDOW_FLOOR):
+        raise DeltaError(
+            f"a delta frame asks a window of {header.window_size} bytes for a block of {size}"
+        )
+    got, extra = 0, b""
+    try:
+        with decompressor.stream_reader(frame) as reader:
+            view = memoryview(out)
+            while got < size and (count := reader.readinto(view[got:])):
+                got += count
+            extra = reader.read(1)
+    except zstandard.ZstdError as exc:
+        raise DeltaError(f"a delta frame does not decode: {exc}") from None
+    if extra:
+        raise DeltaError(f"a delta frame holds more than the {size} bytes of its block")
+    if got != size:
+        raise DeltaError(f"a delta frame does not decode: it ends after {got} of {size} bytes")
 
 
 def compressor() -> zstandard.ZstdCompressor:

@@ -14,9 +14,24 @@ import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+MAX_CONTAINERS = 1 << 20
+"""The most JSON objects and arrays one document may hold. An empty one costs 56-72 bytes
+of Python for two or three bytes of input (64 MiB of ``[],`` parse into 1.6 GB); a manifest
+or a header holds a few per file and per tensor. With it, a document costs at most about
+twelve times its length (two-character strings) plus 72 MiB."""
+
 
 def json_object(data: bytes | str, what: str, error: type[Exception]) -> dict[str, Any]:
-    """``data`` parsed as a JSON object, or ``error`` saying that ``what`` is not one."""
+    """``data`` parsed as a JSON object, or ``error`` saying that ``what`` is not one. The
+    objects and arrays are counted before anything is parsed (brackets inside strings
+    too: an upper bound), so a hostile document costs memory in proportion to its length."""
+    opening = ("[", "{") if isinstance(data, str) else (b"[", b"{")
+    containers = sum(data.count(bracket) for bracket in opening)  # type: ignore[arg-type]
+    if containers > MAX_CONTAINERS:
+        raise error(
+            f"{what} holds {containers} JSON objects and arrays, more than the "
+            f"{MAX_CONTAINERS} weightcast reads in one document; refusing to parse it"
+        )
     try:
         value = json.loads(data)
     except (ValueError, RecursionError) as exc:
