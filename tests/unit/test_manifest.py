@@ -17,7 +17,7 @@ from weightcast.contract.manifest import (
     sha256_file,
     verify_files,
 )
-from weightcast.contract.untrusted import MAX_CONTAINERS
+from weightcast.contract.untrusted import MAX_VALUES
 
 
 def blocks_of(data: bytes, lengths: list[int] | None, block_bytes: int) -> BlockDigests:
@@ -86,14 +86,17 @@ def test_a_newer_manifest_format_tells_the_operator_to_upgrade_the_node() -> Non
         Manifest.from_json(newer)
 
 
-def test_a_manifest_of_a_million_empty_lists_is_refused_before_it_is_parsed() -> None:
-    """Two bytes of ``[]`` would be 64 bytes of Python each: the brackets are counted first,
-    so the parse costs nothing like the 64 MiB the lists would take."""
-    lists = MAX_CONTAINERS + 1
-    text = b'{"files": [' + b"[]," * (lists - 2) + b"[]]}"
+@pytest.mark.parametrize("item", [b"[]", b'"a"', b"{}", b"1000"])
+def test_a_manifest_of_two_million_tiny_values_is_refused_before_it_is_parsed(
+    item: bytes,
+) -> None:
+    """Two to four bytes of input would be 28 to 72 bytes of Python each: the values are
+    counted first, so the refusal costs nothing like the 64 MiB they would take."""
+    count = MAX_VALUES
+    text = b'{"files": [' + b",".join([item] * count) + b"]}"
     tracemalloc.start()
     try:
-        with pytest.raises(ManifestError, match=f"holds {lists + 1} JSON objects and arrays"):
+        with pytest.raises(ManifestError, match=f"JSON values, more than the {MAX_VALUES}"):
             Manifest.from_json(text)
         peak = tracemalloc.get_traced_memory()[1]
     finally:

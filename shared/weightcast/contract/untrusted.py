@@ -14,23 +14,26 @@ import reprlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-MAX_CONTAINERS = 1 << 20
-"""The most JSON objects and arrays one document may hold. An empty one costs 56-72 bytes
-of Python for two or three bytes of input (64 MiB of ``[],`` parse into 1.6 GB); a manifest
-or a header holds a few per file and per tensor. With it, a document costs at most about
-twelve times its length (two-character strings) plus 72 MiB."""
+MAX_VALUES = 1 << 21
+"""The most JSON values one document may hold, counted from above as its objects, arrays
+and commas before anything is parsed. Each value is a Python object of 28 to 72 bytes for as
+little as two bytes of input (64 MiB of ``[],`` parse into 1.6 GB, of ``"a",`` into 1 GB);
+a manifest or a header holds a few per file, tensor and block (a 335k-block version, far
+beyond any model's, about 700k). With it, a document's parse costs at most about 150 MiB
+beyond its length."""
 
 
 def json_object(data: bytes | str, what: str, error: type[Exception]) -> dict[str, Any]:
-    """``data`` parsed as a JSON object, or ``error`` saying that ``what`` is not one. The
-    objects and arrays are counted before anything is parsed (brackets inside strings
-    too: an upper bound), so a hostile document costs memory in proportion to its length."""
-    opening = ("[", "{") if isinstance(data, str) else (b"[", b"{")
-    containers = sum(data.count(bracket) for bracket in opening)  # type: ignore[arg-type]
-    if containers > MAX_CONTAINERS:
+    """``data`` parsed as a JSON object, or ``error`` saying that ``what`` is not one. Its
+    values are counted before anything is parsed (:data:`MAX_VALUES`; brackets and commas
+    inside strings count too: an upper bound), so a hostile document costs memory bounded by
+    its length, whatever it holds."""
+    marks = ("[", "{", ",") if isinstance(data, str) else (b"[", b"{", b",")
+    values = 1 + sum(data.count(mark) for mark in marks)  # type: ignore[arg-type]
+    if values > MAX_VALUES:
         raise error(
-            f"{what} holds {containers} JSON objects and arrays, more than the "
-            f"{MAX_CONTAINERS} weightcast reads in one document; refusing to parse it"
+            f"{what} holds up to {values} JSON values, more than the {MAX_VALUES} weightcast "
+            "reads in one document; refusing to parse it"
         )
     try:
         value = json.loads(data)
