@@ -41,7 +41,6 @@ from pathlib import Path
 import redis
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_node import registered, write_snapshot
 from weightcast.client.producer import BatchProducer
 from weightcast.client.reader import VersionReader

@@ -60,11 +60,6 @@ import redis
 import torch
 from torch import nn
 
-from weightcast.contract.keys import Keys
-from weightcast.contract.model_shape import SHAPES
-from weightcast.local.redis_server import RedisServer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_delta import nudge
 from bench_publisher import (
     REPO,
@@ -73,6 +68,9 @@ from bench_publisher import (
     random_state,
     settle,
 )
+from weightcast.contract.keys import Keys
+from weightcast.contract.model_shape import SHAPES
+from weightcast.local.redis_server import RedisServer
 
 MODES = ("full", "delta")
 STAGES = ("snapshot", "publish", "node", "total", "floor_write", "floor_read", "floor")

@@ -20,19 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from bench_publisher import random_state
 from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.contract.model_shape import SHAPES
 from weightcast.contract.sharding import ShardKind, rank_slice
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import random_state
 
 VOCAB_PADDING = 64
 """vLLM pads each rank's vocabulary rows to a multiple of this."""

@@ -42,7 +42,6 @@ import platform
 import shutil
 import statistics
 import struct
-import sys
 import tempfile
 import time
 import uuid
@@ -50,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import weightcast.client.reader as reader_module
+from bench_publisher import write_template
 from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
@@ -58,9 +58,6 @@ from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, Snapshot
 from weightcast.contract.version_info import VersionInfo
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_publisher import write_template
 
 KINDS = ("raw", "blocks", "verify")
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from bench_trainer import run_trainer
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.snapshot_format import read_complete
 from weightcast.local.produce import synthetic_batch
@@ -32,9 +32,6 @@ from weightcast_publisher.dcp_load import load_tensors
 from weightcast_publisher.snapshot_scan import Snapshot
 from weightcast_trainer.model import flavor_args
 from weightcast_trainer.resume import newest_checkpoint, read_model_weights
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_trainer import run_trainer
 
 NAMESPACE = "bench-resume"
 

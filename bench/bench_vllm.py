@@ -14,8 +14,11 @@ cache (``posix_fadvise(DONTNEED)``), as a version the publisher has just written
 ``O_DIRECT`` is not in it. Medians over the runs,
 the spread of the per-run ratios, and the load average are printed.
 
-    .venv-vllm/bin/python bench/bench_vllm.py                  # tiny and 0.6B, 5 runs
-    .venv-vllm/bin/python bench/bench_vllm.py --shapes 0.6B --runs 3 --json out.json
+It builds its engines with the vLLM tier's helpers (``tests/vllm/vllm_helpers.py``), so the
+tests' folders go on ``PYTHONPATH``:
+
+    PYTHONPATH=tests:tests/vllm .venv-vllm/bin/python bench/bench_vllm.py   # tiny, 0.6B; 5 runs
+    PYTHONPATH=tests:tests/vllm .venv-vllm/bin/python bench/bench_vllm.py --shapes 0.6B --runs 3
 """
 
 from __future__ import annotations
@@ -25,13 +28,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests" / "vllm"), str(REPO / "tests"), str(REPO / "bench")]
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(report)
 
 CONTEXT = {"tiny": 1024, "0.6B": 4096}

@@ -8,7 +8,7 @@ a publisher would write it for such blocks. ``measure DIR full|delta|manifest``:
 reads v2 in full; a node holding v1 reads v2 by delta; or the manifest parser meets 64 MiB of
 empty lists. Peak RSS is ``VmHWM`` reset through ``/proc/self/clear_refs`` before the read.
 
-    .venv/bin/python bench/delta_memory.py make /tmp/dm --block-bytes 40
+    PYTHONPATH=tests .venv/bin/python bench/delta_memory.py make /tmp/dm --block-bytes 40
     .venv/bin/python bench/delta_memory.py measure /tmp/dm delta
 """
 
@@ -45,7 +45,8 @@ def make(directory: Path, block_bytes: int) -> None:
     from weightcast_publisher.converter import ConvertOptions, convert
     from weightcast_publisher.snapshot_scan import Snapshot
 
-    from helpers import hf_state, shape_of, write_snapshot
+    from helpers.models import hf_state, shape_of
+    from helpers.snapshots import write_snapshot
 
     shape = dataclasses.replace(
         shape_of(8, 8, 32, hidden=256, inter=1024, tied=False), vocab_size=4096

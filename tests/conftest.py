@@ -21,7 +21,7 @@ from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 from weightcast_trainer.device import use_cpu_without_accelerator
 
-from helpers import run_env
+from helpers.processes import run_env
 
 use_cpu_without_accelerator()  # before any test module imports torchtitan
 

@@ -10,7 +10,7 @@ import redis
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 
-from helpers import Deployment
+from helpers.versions import Deployment
 
 
 @pytest.fixture

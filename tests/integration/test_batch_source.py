@@ -16,7 +16,8 @@ from weightcast.runtime.retry import Outage
 from weightcast.runtime.settings import load_config
 from weightcast_trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 
-from helpers import push_batches, wait_for
+from helpers.processes import wait_for
+from helpers.redis_state import push_batches
 
 LIMITS = BatchLimits(vocab_size=1024, max_seq_len=64)
 

@@ -9,7 +9,7 @@ from weightcast.cli.main import COMMANDS, build_parser
 from weightcast.contract.keys import Keys
 from weightcast.runtime.net import free_port
 
-from helpers import clean_env, run_weightcast
+from helpers.processes import clean_env, run_weightcast
 
 
 def test_unreachable_redis_is_reported_with_what_to_do() -> None:

@@ -38,14 +38,8 @@ from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 from weightcast_publisher.sources import HeaderSource
 from weightcast_trainer.dcp_safetensors import write_file
 
-from helpers import (
-    FORMATS,
-    hf_state,
-    rank_part,
-    shape_of,
-    write_sharded_snapshot,
-    write_snapshot,
-)
+from helpers.models import hf_state, rank_part, shape_of
+from helpers.snapshots import FORMATS, write_sharded_snapshot, write_snapshot
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,

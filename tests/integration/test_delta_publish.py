@@ -39,7 +39,9 @@ from weightcast_publisher.delta_writer import DeltaSink, FileFrames, find_base
 from weightcast_publisher.safetensors_writer import BUFFER_BYTES, digest_file
 from weightcast_publisher.snapshot_scan import Snapshot
 
-from helpers import Deployment, hf_state, shape_of, write_snapshot
+from helpers.models import hf_state, shape_of
+from helpers.snapshots import write_snapshot
+from helpers.versions import Deployment
 
 # Embeddings of 16 MiB each: whole 4 MiB blocks inside them stay unchanged (per rank too).
 SHAPE = dataclasses.replace(

@@ -24,7 +24,9 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
-from helpers import Deployment, drift, hf_state, shape_of, write_snapshot
+from helpers.models import drift, hf_state, shape_of
+from helpers.snapshots import write_snapshot
+from helpers.versions import Deployment
 
 TP = 2
 SHAPE = dataclasses.replace(shape_of(8, 8, 32, hidden=256, inter=1024, tied=False), vocab_size=1024)

@@ -20,20 +20,9 @@ from weightcast.contract.manifest import MANIFEST_NAME
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
 
-from helpers import (
-    REPO,
-    Deployment,
-    OpenWatch,
-    OutputLines,
-    copy_version,
-    healthz,
-    redigest,
-    register_version,
-    run_weightcast,
-    stop,
-    wait_for,
-    weightcast,
-)
+from helpers.files import REPO, OpenWatch
+from helpers.processes import OutputLines, healthz, run_weightcast, stop, wait_for, weightcast
+from helpers.versions import Deployment, copy_version, redigest, register_version
 
 
 def start(env: dict[str, str], *args: str) -> tuple[subprocess.Popen[str], OutputLines]:

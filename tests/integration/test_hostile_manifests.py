@@ -32,17 +32,9 @@ from weightcast.client.node import Node
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 
-from helpers import (
-    Deployment,
-    copy_version,
-    drift,
-    hf_state,
-    rank_part,
-    redigest,
-    register_version,
-    split_per_rank,
-    write_snapshot,
-)
+from helpers.models import drift, hf_state, rank_part
+from helpers.snapshots import write_snapshot
+from helpers.versions import Deployment, copy_version, redigest, register_version, split_per_rank
 
 TP = 2
 EXAMPLES = 200

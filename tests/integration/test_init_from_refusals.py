@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from weightcast.cli.main import main
 
-from helpers import save_pretrained_qwen3
+from helpers.models import save_pretrained_qwen3
 
 
 def truncate(start: Path) -> str:

@@ -25,7 +25,8 @@ from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import MANIFEST_NAME, sha256_file
 
-from helpers import Deployment, OpenWatch, copy_version, redigest, register_version
+from helpers.files import OpenWatch
+from helpers.versions import Deployment, copy_version, redigest, register_version
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
 from weightcast_trainer.batch_source import BatchSource, SourceSettings
 
-from helpers import wait_for
+from helpers.processes import wait_for
 
 LIMITS = BatchLimits(vocab_size=1024, max_seq_len=16)
 

@@ -30,15 +30,10 @@ from weightcast_publisher.daemon import Publisher
 from weightcast_publisher.registry import NOT_LEADER
 from weightcast_publisher.watcher import SnapshotWatcher
 
-from helpers import (
-    FORMATS,
-    hf_state,
-    publish_snapshot,
-    run_weightcast,
-    shape_of,
-    wait_for,
-    write_snapshot,
-)
+from helpers.models import hf_state, shape_of
+from helpers.processes import run_weightcast, wait_for
+from helpers.snapshots import FORMATS, write_snapshot
+from helpers.versions import publish_snapshot
 
 SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
 

@@ -23,7 +23,9 @@ from weightcast.contract.model_shape import ModelShape
 from weightcast.local.redis_server import RedisServer
 from weightcast_publisher.safetensors_writer import BUFFER_BYTES
 
-from helpers import SMALL_GQA, Deployment, rank_byte_ranges, rank_part, shape_of, write_snapshot
+from helpers.models import SMALL_GQA, rank_part, shape_of
+from helpers.snapshots import write_snapshot
+from helpers.versions import Deployment, rank_byte_ranges
 
 WIDE = shape_of(16, 8, 128, hidden=1024, inter=3072)
 """Qwen3-0.6B's widths (two layers): 8 MiB qkv and 12 MiB gate_up tensors, a 60 MiB file

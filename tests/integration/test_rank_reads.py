@@ -13,7 +13,8 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.sharding import ShardKind
 from weightcast.local.redis_server import RedisServer
 
-from helpers import Deployment, shape_of
+from helpers.models import shape_of
+from helpers.versions import Deployment
 
 TP = 8
 SHAPE = dataclasses.replace(shape_of(8, 8, 32, hidden=256, inter=1024, tied=False), vocab_size=1024)

@@ -29,16 +29,9 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import DEFAULT_DIGEST
 from weightcast.local.redis_server import RedisServer
 
-from helpers import (
-    REPO,
-    SMALL_GQA,
-    Deployment,
-    copy_version,
-    hf_state,
-    rank_byte_ranges,
-    redigest,
-    register_version,
-)
+from helpers.files import REPO
+from helpers.models import SMALL_GQA, hf_state
+from helpers.versions import Deployment, copy_version, rank_byte_ranges, redigest, register_version
 from vllm_reference import qkv_parallel_rank, row_parallel_rank
 
 BLOCK = 256

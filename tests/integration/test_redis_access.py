@@ -13,7 +13,7 @@ import redis
 
 from weightcast.local.redis_server import RedisServer
 
-from helpers import run_env, run_weightcast
+from helpers.processes import run_env, run_weightcast
 
 PASSWORD = "s3cret"
 LIMITED_USER, LIMITED_PASSWORD = "limited", "limited-pw"

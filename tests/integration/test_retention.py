@@ -21,7 +21,8 @@ from weightcast_publisher.retention import (
     prune_snapshot_records,
 )
 
-from helpers import shape_of, write_snapshot
+from helpers.models import shape_of
+from helpers.snapshots import write_snapshot
 
 SHAPE = shape_of(4, 2, 8, hidden=16, inter=32)
 

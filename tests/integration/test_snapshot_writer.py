@@ -30,7 +30,9 @@ from weightcast_publisher.snapshot_scan import Snapshot, complete_snapshots
 from weightcast_trainer.dcp_safetensors import NonFiniteWeight
 from weightcast_trainer.snapshot_writer import SnapshotWriter
 
-from helpers import Deployment, drift, hf_state, shape_of, tmpfs
+from helpers.files import tmpfs
+from helpers.models import drift, hf_state, shape_of
+from helpers.versions import Deployment
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64, tied=False, bias=True)
 

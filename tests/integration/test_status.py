@@ -14,15 +14,12 @@ from weightcast.cli.status import CLEAR
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 
-from helpers import (
-    REPO,
-    SMALL_GQA,
-    Deployment,
-    push_batches,
-    run_weightcast,
-    weightcast,
-    write_snapshot,
-)
+from helpers.files import REPO
+from helpers.models import SMALL_GQA
+from helpers.processes import run_weightcast, weightcast
+from helpers.redis_state import push_batches
+from helpers.snapshots import write_snapshot
+from helpers.versions import Deployment
 
 
 def test_status_shows_versions_leases_stale_nodes_heartbeat_and_queue(

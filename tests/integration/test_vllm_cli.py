@@ -16,7 +16,7 @@ import pytest
 
 from weightcast.cli.main import main
 
-from helpers import run_weightcast
+from helpers.processes import run_weightcast
 
 
 @pytest.fixture

@@ -25,16 +25,11 @@ from weightcast.contract.manifest import (
 )
 from weightcast.local.redis_server import RedisServer
 
-from helpers import (
-    REPO,
-    SMALL_GQA,
-    Deployment,
-    hf_state,
-    redis_ms,
-    split_per_rank,
-    subscribers,
-    wait_for,
-)
+from helpers.files import REPO
+from helpers.models import SMALL_GQA, hf_state
+from helpers.processes import wait_for
+from helpers.redis_state import redis_ms, subscribers
+from helpers.versions import Deployment, split_per_rank
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,

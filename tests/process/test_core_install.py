@@ -25,7 +25,8 @@ import torch
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
 
-from helpers import REPO, Deployment
+from helpers.files import REPO
+from helpers.versions import Deployment
 
 CORE_VENV = REPO / ".venv-core"
 TORCH_SPEC = os.environ.get("TORCH_SPEC", f"torch=={torch.__version__.split('+')[0]}")

@@ -14,17 +14,9 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.nodes import NodeReport
 from weightcast.local.redis_server import RedisServer
 
-from helpers import (
-    drift,
-    hf_state,
-    publish_snapshot,
-    run_env,
-    run_weightcast,
-    shape_of,
-    start_weightcast,
-    stop,
-    wait_for,
-)
+from helpers.models import drift, hf_state, shape_of
+from helpers.processes import run_env, run_weightcast, start_weightcast, stop, wait_for
+from helpers.versions import publish_snapshot
 
 SHAPE = dataclasses.replace(shape_of(4, 2, 32, hidden=128, inter=512, tied=False), vocab_size=512)
 

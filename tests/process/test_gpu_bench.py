@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import REPO, clean_env
+from helpers.files import REPO
+from helpers.processes import clean_env
 
 STEPS = ["trainer", "publish-tp1", "publish-tp2", "inplace", "freshness-tp1", "freshness-tp2"]
 

@@ -16,7 +16,9 @@ from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.sharding import ShardKind, rank_slice
 
-from helpers import checkpoint_tensors, push_batches, run_weightcast
+from helpers.models import checkpoint_tensors
+from helpers.processes import run_weightcast
+from helpers.redis_state import push_batches
 from vllm_reference import fused_moe_rank
 
 

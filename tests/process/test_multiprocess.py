@@ -13,17 +13,9 @@ from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.local.produce import synthetic_batch
 
-from helpers import (
-    checkpoint_model,
-    dead_letters,
-    final_train_state,
-    heartbeat,
-    push_batches,
-    push_raw,
-    run_torchrun_trainer,
-    run_weightcast,
-    with_test_modules,
-)
+from helpers.processes import run_torchrun_trainer, run_weightcast, with_test_modules
+from helpers.redis_state import dead_letters, heartbeat, push_batches, push_raw
+from helpers.snapshots import checkpoint_model, final_train_state
 
 
 def test_two_ranks_train_their_own_batches_and_write_one_snapshot(

@@ -23,16 +23,10 @@ from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
 
-from helpers import (
-    healthz,
-    hf_state,
-    publish_snapshot,
-    run_env,
-    shape_of,
-    start_weightcast,
-    stop,
-    tmpfs,
-)
+from helpers.files import tmpfs
+from helpers.models import hf_state, shape_of
+from helpers.processes import healthz, run_env, start_weightcast, stop
+from helpers.versions import publish_snapshot
 
 SMALL = shape_of(4, 2, 8, hidden=16, inter=32)
 # About 95 MB in bf16: converting and fsyncing it takes long enough for kills to land in it.

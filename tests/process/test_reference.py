@@ -24,7 +24,7 @@ from weightcast_publisher.dcp_load import load_tensors
 from weightcast_publisher.snapshot_scan import Snapshot
 from weightcast_trainer.model import TiedQwen3Model, flavor_args
 
-from helpers import run_weightcast
+from helpers.processes import run_weightcast
 
 
 def torchtitan_logits(snapshot_dir: Path, tokens: torch.Tensor) -> torch.Tensor:

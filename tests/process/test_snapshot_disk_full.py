@@ -9,7 +9,10 @@ import redis
 
 from weightcast.contract.keys import Keys
 
-from helpers import final_train_state, push_batches, run_weightcast, tmpfs
+from helpers.files import tmpfs
+from helpers.processes import run_weightcast
+from helpers.redis_state import push_batches
+from helpers.snapshots import final_train_state
 
 
 def test_a_full_snapshot_filesystem_skips_snapshots_and_training_goes_on(

@@ -17,19 +17,16 @@ from safetensors.torch import save
 from weightcast.contract.keys import Keys
 from weightcast.local.produce import synthetic_batch
 
-from helpers import (
-    checkpoint_model,
+from helpers.processes import (
     config_file,
-    dead_letters,
-    final_train_state,
-    push_batches,
-    push_raw,
     run_weightcast,
     start_weightcast,
     wait_for,
     with_namespace,
     with_test_modules,
 )
+from helpers.redis_state import dead_letters, push_batches, push_raw
+from helpers.snapshots import checkpoint_model, final_train_state
 
 NO_RESUME_CHECKPOINT = "[trainer.checkpoint]\ninterval = 1000\n"
 """Nothing is checkpointed (so nothing acknowledged) before the run's last step."""

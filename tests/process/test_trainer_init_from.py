@@ -17,21 +17,18 @@ import torch
 
 from weightcast.contract.keys import Keys
 
-from helpers import (
-    HF_SHAPES,
-    checkpoint_model,
-    checkpoint_tensors,
+from helpers.models import HF_SHAPES, checkpoint_tensors, save_pretrained_qwen3
+from helpers.processes import (
     config_file,
-    heartbeat,
-    push_batches,
     run_torchrun_trainer,
     run_weightcast,
-    save_pretrained_qwen3,
     start_weightcast,
     stop,
     wait_for,
     with_namespace,
 )
+from helpers.redis_state import heartbeat, push_batches
+from helpers.snapshots import checkpoint_model
 
 
 def raw(tensor: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ import torch
 
 from weightcast.contract.keys import Keys
 
-from helpers import checkpoint_tensors, push_batches, run_weightcast
+from helpers.models import checkpoint_tensors
+from helpers.processes import run_weightcast
+from helpers.redis_state import push_batches
 
 
 def test_the_tiny_moe_flavor_trains_and_publishes_a_checkpoint_transformers_loads(

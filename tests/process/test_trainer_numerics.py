@@ -20,20 +20,16 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_FILE_SUFFIX
 from weightcast.local.produce import synthetic_batch
 
-from helpers import (
-    REPO,
-    checkpoint_model,
-    dead_letters,
-    final_train_state,
-    heartbeat,
-    push_batches,
-    push_raw,
+from helpers.files import REPO
+from helpers.processes import (
     run_weightcast,
     wait_for,
     weightcast,
     with_namespace,
     with_test_modules,
 )
+from helpers.redis_state import dead_letters, heartbeat, push_batches, push_raw
+from helpers.snapshots import checkpoint_model, final_train_state
 
 
 def extreme(seed: int, **overrides: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -14,20 +14,10 @@ from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.net import free_port
 
-from helpers import (
-    config_file,
-    dead_letters,
-    final_train_state,
-    healthz,
-    heartbeat,
-    pending,
-    push_batches,
-    run_env,
-    start_weightcast,
-    stop,
-    tmpfs,
-    wait_for,
-)
+from helpers.files import tmpfs
+from helpers.processes import config_file, healthz, run_env, start_weightcast, stop, wait_for
+from helpers.redis_state import dead_letters, heartbeat, pending, push_batches
+from helpers.snapshots import final_train_state
 
 OUTAGE_S = 3.0
 """How long Redis stays down: a restart, as an operator or an orchestrator does it."""

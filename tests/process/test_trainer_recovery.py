@@ -26,16 +26,9 @@ from weightcast.contract.streams import parse_stream_id
 from weightcast.runtime.net import free_port
 from weightcast_trainer.resume import newest_checkpoint, read_train_state
 
-from helpers import (
-    config_file,
-    final_train_state,
-    heartbeat,
-    pending,
-    push_batches,
-    run_weightcast,
-    start_weightcast,
-    wait_for,
-)
+from helpers.processes import config_file, run_weightcast, start_weightcast, wait_for
+from helpers.redis_state import heartbeat, pending, push_batches
+from helpers.snapshots import final_train_state
 
 CHECKPOINT_EVERY_2 = "[trainer.checkpoint]\ninterval = 2\n"
 

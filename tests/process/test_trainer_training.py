@@ -19,17 +19,16 @@ from weightcast_trainer.job import build_job_config
 from weightcast_trainer.model import TRAIN_SPEC_NAME
 from weightcast_trainer.resume import resume_dir
 
-from helpers import (
-    REPO,
-    checkpoint_model,
+from helpers.files import REPO
+from helpers.processes import (
     config_file,
-    final_train_state,
-    push_batches,
     run_torchrun_trainer,
     run_weightcast,
     with_namespace,
     with_test_modules,
 )
+from helpers.redis_state import push_batches
+from helpers.snapshots import checkpoint_model, final_train_state
 
 EXAMPLES = REPO / "examples"
 

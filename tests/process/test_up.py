@@ -21,14 +21,9 @@ from weightcast.contract.sharding import ShardKind
 from weightcast.local.redis_server import RedisServer
 from weightcast.runtime.config import TrainerConfig
 
-from helpers import (
-    REPO,
-    clean_env,
-    run_weightcast,
-    save_pretrained_qwen3,
-    stop,
-    weightcast,
-)
+from helpers.files import REPO
+from helpers.models import save_pretrained_qwen3
+from helpers.processes import clean_env, run_weightcast, stop, weightcast
 
 
 def processes_mentioning(text: str) -> list[int]:

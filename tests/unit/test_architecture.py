@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import REPO
+from helpers.files import REPO
 
 ROOTS = ("shared", "trainer", "publisher")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"

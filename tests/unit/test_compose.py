@@ -22,7 +22,7 @@ import yaml
 from weightcast.cli.main import build_parser
 from weightcast.runtime.settings import load_config, settings
 
-from helpers import REPO
+from helpers.files import REPO
 
 COMPOSE = REPO / "compose.yaml"
 GPU = REPO / "compose.gpu.yaml"

@@ -17,7 +17,7 @@ from weightcast.runtime.settings import (
     settings,
 )
 
-from helpers import REPO
+from helpers.files import REPO
 
 
 def write(tmp_path: Path, text: str) -> Path:

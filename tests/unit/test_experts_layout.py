@@ -26,7 +26,8 @@ from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.converter import ConvertOptions, convert, rank_rows
 from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
-from helpers import hf_state, moe_shape, write_snapshot
+from helpers.models import hf_state, moe_shape
+from helpers.snapshots import write_snapshot
 from vllm_reference import fused_moe_rank
 
 PLACEMENTS = [(1, False), (2, False), (4, False), (2, True), (4, True)]

@@ -20,7 +20,8 @@ from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
-from helpers import hf_state, rank_part, shape_of, write_snapshot
+from helpers.models import hf_state, rank_part, shape_of
+from helpers.snapshots import write_snapshot
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,

@@ -20,7 +20,7 @@ from weightcast.contract.model_shape import (
     hf_tensor_shapes,
 )
 
-from helpers import moe_shape, shape_of
+from helpers.models import moe_shape, shape_of
 
 ODD = {
     "biased": shape_of(4, 2, 16, hidden=32, inter=64, tied=False, bias=True),

@@ -24,13 +24,7 @@ from weightcast.local.rollout import (
 from weightcast.runtime.config import RolloutConfig
 from weightcast_trainer.loss import token_logprobs
 
-from helpers import (
-    checkpoint_tensors,
-    hf_state,
-    moe_shape,
-    save_pretrained_qwen3,
-    shape_of,
-)
+from helpers.models import checkpoint_tensors, hf_state, moe_shape, save_pretrained_qwen3, shape_of
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64)
 

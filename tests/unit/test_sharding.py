@@ -11,7 +11,7 @@ from weightcast.contract.errors import LayoutError
 from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import RankSlice, Shard, ShardKind, rank_slice
 
-from helpers import shape_of
+from helpers.models import shape_of
 
 QKV = {"kind": "qkv", "dim": 0, "tp": 2, "rank_rows": 8, "q_rows": 4, "kv_rows": 2}
 EXPERTS = {"kind": "experts", "dim": 0, "tp": 4, "rank_rows": 2, "ep": 4, "experts": 2}

@@ -18,7 +18,7 @@ from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import ShardKind
 
-from helpers import hf_state, rank_part, shape_of
+from helpers.models import hf_state, rank_part, shape_of
 
 PADDING = 6
 """Rows vLLM adds after a rank's vocabulary (it pads the vocabulary to a multiple of 64)."""

@@ -19,7 +19,7 @@ from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import Shard, ShardKind
 
-from helpers import hf_state, rank_part, shape_of
+from helpers.models import hf_state, rank_part, shape_of
 from vllm_reference import (
     merged_column_parallel_rank,
     qkv_parallel_rank,

@@ -26,6 +26,7 @@ from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import MANIFEST_NAME, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
+from helpers.processes import with_test_modules
 from vllm_helpers import ODD_VOCAB, TINY, Registry, greedy, random_state
 
 HERE = Path(__file__).resolve().parent
@@ -146,7 +147,7 @@ def fresh_outputs(
             script = str(HERE / "fresh_engine.py")
             subprocess.run(
                 [sys.executable, script, str(out), str(tp), *map(str, missing)],
-                env={**os.environ, **tp_env(tp)},
+                env=with_test_modules({**os.environ, **tp_env(tp)}),
                 check=True,
                 timeout=1200,
             )

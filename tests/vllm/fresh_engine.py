@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 

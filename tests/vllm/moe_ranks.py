@@ -140,5 +140,4 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
     main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])

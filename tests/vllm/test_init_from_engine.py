@@ -20,7 +20,7 @@ from weightcast.client.vllm.driver import swap
 from weightcast.contract.codec import RolloutBatch
 from weightcast_trainer.loss import logprob_mismatch
 
-from helpers import checkpoint_tensors, save_pretrained_qwen3
+from helpers.models import checkpoint_tensors, save_pretrained_qwen3
 from vllm_helpers import Registry, backend_engine
 
 GOOD_KL_BOUND = 1e-3

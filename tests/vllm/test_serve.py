@@ -26,7 +26,9 @@ import redis
 import torch
 
 from conftest import Versions
-from helpers import REPO, checkpoint_tensors, save_pretrained_qwen3, wait_for
+from helpers.files import REPO
+from helpers.models import checkpoint_tensors, save_pretrained_qwen3
+from helpers.processes import wait_for
 from vllm_helpers import TINY, Registry, Server
 
 NODE = "serve-node"

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from helpers import REPO, clean_env, save_pretrained_qwen3
+from helpers.files import REPO
+from helpers.models import save_pretrained_qwen3
+from helpers.processes import clean_env
 
 MAIN_PYTHON = REPO / ".venv" / "bin" / "python"
 STEPS = 40  # as `weightcast up` runs by default: under load 30 steps left the late third near 0.3

@@ -30,7 +30,8 @@ from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.runtime.settings import load_config
 from weightcast_publisher.daemon import Publisher
 
-from helpers import write_snapshot
+from helpers.processes import with_test_modules
+from helpers.snapshots import write_snapshot
 
 TINY = SHAPES["tiny"].to_hf_config()
 """A Qwen3 ``config.json`` as the trainer writes it: weightcast's ``tiny``."""
@@ -267,7 +268,7 @@ def run_ranks(script: str, tp: int, spec: dict[str, Any], tmp_path: Path) -> lis
         with open(tmp_path / f"rank{r}.log", "wb") as log:
             argv = [sys.executable, str(Path(__file__).parent / script), str(r), str(tp)]
             argv += [str(port), str(spec_file), str(tmp_path)]
-            ranks.append(subprocess.Popen(argv, stderr=log))
+            ranks.append(subprocess.Popen(argv, stderr=log, env=with_test_modules(os.environ)))
     for process in ranks:
         process.wait(timeout=900)
     results = []

@@ -1,0 +1,1 @@
+"""What the tests share, by theme: files, models, snapshots, processes, redis_state, versions."""
