@@ -1,5 +1,5 @@
-"""One error tree: what weightcast raises across modules is a ``WeightcastError``, and whether
-vLLM refused a version is a type."""
+"""One error tree: what weightcast raises across modules is a ``WeightcastError``; what a
+library gives only as text (Redis' error replies, vLLM's refusal) is read once into a type."""
 
 from __future__ import annotations
 
@@ -7,9 +7,19 @@ import importlib
 import inspect
 import pkgutil
 
+import pytest
+import redis
+
 from weightcast.client.vllm.driver import EngineError, VersionRefused, engine_error
 from weightcast.client.vllm.protocol import REFUSED
-from weightcast.contract.errors import WeightcastError
+from weightcast.contract.errors import (
+    RedisAccessDenied,
+    RedisFull,
+    RedisGroupExists,
+    WeightcastError,
+)
+from weightcast.contract.redis_replies import REPLY_CODES, refusal
+from weightcast.runtime.retry import access_denied, redis_full
 
 PACKAGES = ("weightcast", "weightcast_trainer", "weightcast_publisher")
 
@@ -48,3 +58,35 @@ def test_a_refused_version_is_told_from_an_engine_failure_by_its_type() -> None:
     failed = engine_error("POST /update_weights: HTTP 500: CUDA out of memory")
     assert isinstance(refused, VersionRefused)
     assert type(failed) is EngineError
+
+
+@pytest.mark.parametrize(
+    ("exc", "meaning"),
+    [
+        # What redis-py types itself (it drops the code from the text).
+        (redis.AuthenticationError("invalid username-password pair"), RedisAccessDenied),
+        (redis.exceptions.NoPermissionError("no permissions to run the 'xadd'"), RedisAccessDenied),
+        (redis.exceptions.OutOfMemoryError("command not allowed when used memory"), RedisFull),
+        # What it leaves as text, the code first.
+        (redis.ResponseError("NOPERM this user has no permissions"), RedisAccessDenied),
+        (redis.ResponseError("OOM command not allowed when used memory > 'maxmemory'."), RedisFull),
+        (redis.ResponseError("BUSYGROUP Consumer Group name already exists"), RedisGroupExists),
+        # No refusal of ours: let through (or an outage, decided elsewhere).
+        (redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind"), None),
+        (redis.ResponseError("ERR no such key, not BUSYGROUP"), None),
+        (redis.ResponseError(""), None),
+        (redis.ConnectionError("Connection refused"), None),
+        (ValueError("NOPERM"), None),
+    ],
+)
+def test_redis_replies_are_read_once_into_types(
+    exc: BaseException, meaning: type[WeightcastError] | None
+) -> None:
+    assert refusal(exc) is meaning
+    assert access_denied(exc) == (meaning is RedisAccessDenied)
+    assert redis_full(exc) == (meaning is RedisFull)
+
+
+@pytest.mark.parametrize("code", sorted(REPLY_CODES))
+def test_every_code_in_the_table_is_read_from_a_bare_reply(code: str) -> None:
+    assert refusal(redis.ResponseError(f"{code} some text")) is REPLY_CODES[code]
