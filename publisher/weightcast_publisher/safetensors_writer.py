@@ -44,6 +44,7 @@ from typing import Protocol
 
 import numpy as np
 
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.manifest import BLOCK_BYTES, BlockDigests, FileEntry, new_hasher
 from weightcast.contract.tensorfile import (
     DTYPE_SIZES,
@@ -79,11 +80,11 @@ class FileSinks(Protocol):
         """The sink of file ``name`` (``size`` bytes cut into ``blocks``), or None."""
 
 
-class SourceEnded(OSError):
+class SourceEnded(WeightcastError, OSError):
     """A source file ended before a piece it should hold (a snapshot truncated under us)."""
 
 
-class NonFiniteTensor(ValueError):
+class NonFiniteTensor(WeightcastError, ValueError):
     """A float tensor holds NaN or infinity; the message names it."""
 
 

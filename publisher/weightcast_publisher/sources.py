@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from weightcast.contract.errors import LayoutError
+from weightcast.contract.errors import LayoutError, WeightcastError
 from weightcast.contract.plan import PlannedFile
 from weightcast.contract.regions import ColumnRange, Region, RowRange
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_KEY
@@ -34,7 +34,7 @@ READER_AUTO, READER_DCP_LOAD = READERS
 BYTE_RANGE = "byte-range"
 
 
-class Unsupported(Exception):
+class Unsupported(WeightcastError):
     """A valid snapshot whose blocks are not whole rows: read it with ``dcp.load``."""
 
 

@@ -5,13 +5,21 @@ instead of retrying it as "Redis unreachable" for ``redis_retry_seconds``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import redis
 
+from weightcast.contract.errors import (
+    RedisAccessDenied,
+    RedisFull,
+    RedisGroupExists,
+    WeightcastError,
+)
+from weightcast.contract.redis_replies import refusal
 from weightcast.local.redis_server import RedisServer
+from weightcast.runtime.redis_client import redis_client
 
 from helpers.processes import run_env, run_weightcast
 
@@ -86,3 +94,40 @@ def test_every_command_and_daemon_gives_up_at_once_when_redis_refuses_it(
         args = (*args, "--redis-url", url, "--workdir", str(tmp_path / "runs"))
     started = time.monotonic()
     assert_refused_at_once(run_weightcast(env, *args, timeout=180), started, refusal)
+
+
+def refusal_of(call: Callable[[], object]) -> type[WeightcastError] | None:
+    with pytest.raises(redis.RedisError) as raised:
+        call()
+    return refusal(raised.value)
+
+
+def test_a_real_servers_refusals_are_read_into_types(tmp_path: Path) -> None:
+    """The replies of this redis-server through redis-py, in plain commands and in scripts:
+    each reads as its type (:data:`~weightcast.contract.redis_replies.REPLY_CODES`)."""
+    with RedisServer(tmp_path / "redis") as server:
+        admin = redis.Redis.from_url(server.url)
+        admin.xgroup_create("s", "g", id="0", mkstream=True)
+        assert refusal_of(lambda: admin.xgroup_create("s", "g", id="0")) is RedisGroupExists
+        assert refusal_of(lambda: admin.xreadgroup("none", "c", {"s": ">"})) is None  # NOGROUP
+        assert refusal_of(lambda: admin.xinfo_groups("no-stream")) is None
+
+        admin.acl_setuser(
+            "a-only", enabled=True, passwords=["+pw"], keys=["a*"], commands=["+@all"]
+        )
+        limited = redis_client(f"redis://a-only:pw@127.0.0.1:{server.port}/0")
+        set_b = "return redis.call('SET', KEYS[1], 1)"
+        assert refusal_of(lambda: limited.set("b", 1)) is RedisAccessDenied
+        assert refusal_of(lambda: limited.eval(set_b, 1, "b")) is RedisAccessDenied
+        wrong = redis_client(f"redis://a-only:not-it@127.0.0.1:{server.port}/0")
+        assert refusal_of(wrong.ping) is RedisAccessDenied
+
+        admin.set("ballast", "x" * 100_000)
+        admin.config_set("maxmemory-policy", "noeviction")
+        admin.config_set("maxmemory", "1")
+        assert refusal_of(lambda: admin.set("k", 1)) is RedisFull
+        assert refusal_of(lambda: admin.eval(set_b, 1, "k")) is RedisFull
+        admin.config_set("maxmemory", "0")
+
+        admin.config_set("requirepass", PASSWORD)
+        assert refusal_of(redis_client(server.url).ping) is RedisAccessDenied

@@ -3,8 +3,10 @@ behaviour when a process fails or it is interrupted."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import signal
 import subprocess
@@ -232,6 +234,59 @@ def test_ctrl_c_or_sigterm_stops_every_process(tmp_path: Path, sig: signal.Signa
     assert "interrupted: stopped every process weightcast up started" in rest
     (run_dir,) = tmp_path.iterdir()
     assert processes_mentioning(str(run_dir)) == []
+
+
+INTERRUPT_ROUNDS = 2
+INTERRUPT_EXIT_S = 30.0
+"""A stop with a second signal kills at once; even a graceful one ends within
+``STOP_GRACE_S`` (20 s) and the redis-server's stop."""
+
+
+def test_repeated_signals_at_random_points_never_hang_up(tmp_path: Path) -> None:
+    """Issue 28: a signal raised as ``KeyboardInterrupt`` inside ``Popen.poll()`` leaked the
+    child's wait lock and hung ``up`` for good. Here each round sends two to six SIGINTs and
+    SIGTERMs at random moments of the watch loop and of the stop that follows (the later
+    ones escalate to SIGKILL); ``up`` exits 130 within the bound every time, its processes
+    and its private redis-server gone."""
+    seed = random.randrange(2**32)
+    rng = random.Random(seed)
+    for round_ in range(INTERRUPT_ROUNDS):
+        workdir = tmp_path / f"round{round_}"
+        up = subprocess.Popen(
+            weightcast("up", "--steps", "500", "--workdir", str(workdir), "--timeout", "120"),
+            env=clean_env(),
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        seen, rest, sent = "", "", []
+        try:
+            for line in up.stdout:
+                seen += line
+                if re.search(r"published v\d+ ", line):  # every process is busy, not starting
+                    break
+            time.sleep(rng.uniform(0.0, 2.0))
+            sent = [rng.choice([signal.SIGINT, signal.SIGTERM]) for _ in range(rng.randint(2, 6))]
+            for sig in sent:
+                up.send_signal(sig)
+                time.sleep(rng.uniform(0.0, 0.3))
+            code = up.wait(timeout=INTERRUPT_EXIT_S)
+            rest = up.stdout.read()
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            stop(up, signal.SIGKILL)
+            left = processes_mentioning(str(workdir))
+            for pid in left:  # a hung up's children live in sessions of their own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        what = f"seed {seed}, round {round_}, sent {[s.name for s in sent]}:\n{seen}{rest}"
+        # A signal landing after the stop, while the interpreter exits (its finalisation
+        # restores the default handlers), may end it by that signal: harmless then.
+        assert code in (130, -signal.SIGINT, -signal.SIGTERM), what
+        assert "interrupted: stopped every process weightcast up started" in rest, what
+        assert left == [], what
 
 
 def test_up_rides_out_a_redis_restart_like_the_processes_it_started(

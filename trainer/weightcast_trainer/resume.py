@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from weightcast.contract.durable import fsync_path, remove_dir
+from weightcast.contract.errors import WeightcastError
 from weightcast.contract.snapshot_format import DCP_METADATA, snapshot_step
 from weightcast.contract.streams import parse_stream_id
 from weightcast.runtime.config import Config
@@ -145,7 +146,7 @@ def _checkpoints(folder: Path) -> Iterator[tuple[int, Path, bool]]:
                 yield step, Path(entry.path), (Path(entry.path) / DCP_METADATA).is_file()
 
 
-class IncompleteCheckpoint(RuntimeError):
+class IncompleteCheckpoint(WeightcastError):
     """A resume checkpoint whose save returned without ``.metadata``."""
 
 

@@ -55,3 +55,8 @@ class RedisAccessDenied(ConfigError):
 
 class RedisFull(WeightcastError):
     """Redis refuses writes: its memory is at ``maxmemory`` with the ``noeviction`` policy."""
+
+
+class RedisGroupExists(WeightcastError):
+    """Redis' ``BUSYGROUP``: the consumer group exists already. Never raised: whoever creates
+    the group second has nothing to do (:func:`~weightcast.contract.streams.ensure_group`)."""

@@ -16,7 +16,9 @@ from collections.abc import Mapping, Sequence
 
 import redis
 
+from weightcast.contract.errors import RedisGroupExists
 from weightcast.contract.keys import TRAINER_GROUP, Keys
+from weightcast.contract.redis_replies import refusal
 
 _DEAD_LETTER = """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then
@@ -61,7 +63,7 @@ def ensure_group(client: redis.Redis, keys: Keys) -> None:
     try:
         client.xgroup_create(keys.batches, TRAINER_GROUP, id="0", mkstream=True)
     except redis.ResponseError as exc:
-        if "BUSYGROUP" not in str(exc):
+        if refusal(exc) is not RedisGroupExists:
             raise
 
 

@@ -7,7 +7,8 @@ version, scores the samples with the toy reward and pushes them; the trainer lea
 them, so the mean reward per version rises. It exits 0 once the trainer has trained every
 step and the last version is published and loaded by the node; if any process fails it stops
 the others and says which one failed. It rides out a Redis outage the way the processes it
-started do (``common.redis_retry_seconds``).
+started do (``common.redis_retry_seconds``). Ctrl-C or SIGTERM stops every process it started
+(SIGTERM, SIGKILL after ``STOP_GRACE_S``); a second one kills them at once.
 """
 
 from __future__ import annotations
@@ -42,6 +43,52 @@ from weightcast.runtime.settings import env_var
 
 FOLLOWER_ID = "up-follower"
 STOP_GRACE_S = 20.0
+PAUSE_SLICE_S = 0.05
+"""How often a pause looks for a stop request."""
+
+
+class Interrupts:
+    """SIGINT and SIGTERM as a count that ``up`` reads at points of its choosing.
+
+    A ``KeyboardInterrupt`` raised by a signal handler lands wherever the main thread is:
+    inside ``Popen.poll()``/``wait()``, between taking the child's ``_waitpid_lock`` and the
+    ``try`` that frees it, it leaks the lock, and every later wait on that child hangs. So
+    the handler only counts; :meth:`check` raises between the loop's steps. (Not a
+    ``threading.Event``: its ``set()`` from a handler deadlocks when the signal lands while
+    the same thread holds the event's lock inside ``wait()``.)
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _handle(self, _signum: int, _frame: object) -> None:
+        self.count += 1  # no lock, no I/O, no raise: it may land anywhere
+
+    def install(self) -> None:
+        """Count the signals from now to the end of the process (one sent while ``up``
+        exits must not kill it: it would lose its exit status)."""
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._handle)
+
+    @property
+    def escalated(self) -> bool:
+        """A second signal: the user will not wait for the grace period."""
+        return self.count >= 2
+
+    def check(self) -> None:
+        """Raise ``KeyboardInterrupt`` here, in plain code, once a signal came."""
+        if self.count:
+            raise KeyboardInterrupt
+
+    def pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, cut short (:meth:`check`) by a signal: a retry's pause."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            self.check()
+            time.sleep(min(left, PAUSE_SLICE_S))
+        self.check()
 
 
 class StackFailure(WeightcastError):
@@ -157,21 +204,29 @@ class Stack:
                 )
         return trainer_done
 
-    def stop_all(self) -> None:
-        """SIGTERM every process still running, then SIGKILL what outlives the grace period."""
-        running = [c for c in self.children if c.process.poll() is None]
-        for child in running:
-            child.process.send_signal(signal.SIGTERM)
+    def stop_all(self, interrupts: Interrupts) -> None:
+        """SIGTERM every process still running, then SIGKILL what outlives the grace period,
+        or everything at once on a second signal. Signals only count meanwhile (nothing
+        raises inside ``Popen``'s waits), so every child is reaped."""
+        running = [c.process for c in self.children if c.process.poll() is None]
+        for process in running:
+            process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
-        for child in running:
-            try:
-                child.process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        while not interrupts.escalated and time.monotonic() < deadline:
+            if all(process.poll() is not None for process in running):
+                return
+            time.sleep(PAUSE_SLICE_S)
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
 
-    def run(self, steps: int, publish_every: int, started: float, timeout: float) -> Progress:
-        """Start the processes and watch them until done; raises :class:`StackFailure`."""
+    def run(
+        self, steps: int, publish_every: int, started: float, timeout: float, interrupts: Interrupts
+    ) -> Progress:
+        """Start the processes and watch them until done; raises :class:`StackFailure`, or
+        ``KeyboardInterrupt`` between two steps of the watch once a signal came."""
+        interrupts.check()
         pubsub = self.redis.pubsub()
         pubsub.subscribe(self.keys.events)
         self.start("publisher", ["publisher", "--rescan-seconds", "1"])
@@ -186,18 +241,25 @@ class Stack:
         progress = Progress()
         shown = ""
         while True:
+            interrupts.check()
             trainer_done = self.check()
             self.outage.attempt(
-                lambda: self.observe(pubsub, progress), "watching the run", time.sleep
+                lambda: self.observe(pubsub, progress), "watching the run", interrupts.pause
             )
             state = progress.describe(steps)
             if state != shown:
                 print(f"[{time.monotonic() - started:6.1f}s] {state}", flush=True)
                 shown = state
             if trainer_done and self.outage.call(
-                lambda: self.last_step_loaded(steps, progress), "reading the latest version"
+                lambda: self.last_step_loaded(steps, progress),
+                "reading the latest version",
+                interrupts.pause,
             ):
-                self.outage.call(lambda: self.count_skipped(progress), "counting skipped snapshots")
+                self.outage.call(
+                    lambda: self.count_skipped(progress),
+                    "counting skipped snapshots",
+                    interrupts.pause,
+                )
                 return progress
             if time.monotonic() - started > timeout:
                 raise StackFailure(f"not done after {timeout:.0f}s: {state}")
@@ -303,8 +365,8 @@ def run_up(config: Config, options: UpOptions) -> int:
         flush=True,
     )
     started = time.monotonic()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
+    interrupts = Interrupts()
+    interrupts.install()
     try:
         with contextlib.ExitStack() as resources:
             if redis_url is None:
@@ -313,10 +375,12 @@ def run_up(config: Config, options: UpOptions) -> int:
             else:
                 print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
             stack = Stack(config, run_dir, redis_url, options.config_file, follower_python)
-            resources.callback(stack.stop_all)
-            progress = stack.run(steps, up.publish_every, started, up.timeout)
+            resources.callback(stack.stop_all, interrupts)
+            progress = stack.run(steps, up.publish_every, started, up.timeout, interrupts)
             dead = stack.outage.call(
-                lambda: stack.redis.xlen(stack.keys.dead_letters), "counting dead letters"
+                lambda: stack.redis.xlen(stack.keys.dead_letters),
+                "counting dead letters",
+                interrupts.pause,
             )
     except StackFailure as exc:
         print(f"weightcast up failed: {exc}", file=sys.stderr, flush=True)
@@ -329,11 +393,6 @@ def run_up(config: Config, options: UpOptions) -> int:
     if plot is not None:
         print(f"  reward plot: {plot}", flush=True)
     return 0
-
-
-def _interrupt(_signum: int, _frame: object) -> None:
-    """SIGTERM stops ``up`` the way Ctrl-C does: every process it started is stopped."""
-    raise KeyboardInterrupt
 
 
 def summary(

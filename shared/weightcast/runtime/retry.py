@@ -30,6 +30,7 @@ from typing import TypeVar
 import redis
 
 from weightcast.contract.errors import RedisAccessDenied, RedisFull, RedisUnavailable
+from weightcast.contract.redis_replies import refusal
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("retry")
@@ -41,16 +42,11 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
 and ``LOADING`` while the restarted server replays its append-only file. (A refused password
 is a ``ConnectionError`` too: :func:`access_denied` tells it apart.)"""
 
-_ACCESS_REPLIES = ("NOAUTH", "WRONGPASS", "NOPERM")
-
 
 def access_denied(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis refusing this client (wrong or missing password, or an ACL
     user without the permission) rather than being away."""
-    if isinstance(exc, redis.AuthenticationError | redis.exceptions.NoPermissionError):
-        return True
-    # Inside a Lua script the refusal comes back as the script's error text.
-    return isinstance(exc, redis.ResponseError) and str(exc).startswith(_ACCESS_REPLIES)
+    return refusal(exc) is RedisAccessDenied
 
 
 def access_error(exc: BaseException, what: str) -> RedisAccessDenied:
@@ -65,10 +61,7 @@ def access_error(exc: BaseException, what: str) -> RedisAccessDenied:
 def redis_full(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis refusing a write because it is full (``OOM command not
     allowed when used memory > 'maxmemory'``)."""
-    if isinstance(exc, redis.exceptions.OutOfMemoryError):
-        return True
-    # Inside a Lua script (a lease) the refusal comes back as the script's error text.
-    return isinstance(exc, redis.ResponseError) and "OOM command not allowed" in str(exc)
+    return refusal(exc) is RedisFull
 
 
 def full_error(exc: BaseException, what: str) -> RedisFull:

@@ -180,10 +180,15 @@ class LocalEngine:
         self._run("reset_prefix_cache")
 
 
+ENGINE_REPLIES: dict[str, type[EngineError]] = {REFUSED: VersionRefused}
+"""What the backend writes into its error -> the error's type. vLLM passes a worker's error
+on as text only (an HTTP body, a bare ``Exception``); this is the one place that reads it."""
+
+
 def engine_error(message: str) -> EngineError:
-    """The error of a failed engine call, typed by what the backend's message says (the one
-    place that reads it: vLLM passes a worker's error on as text only)."""
-    return VersionRefused(message) if REFUSED in message else EngineError(message)
+    """The error of a failed engine call, typed by :data:`ENGINE_REPLIES`."""
+    kinds = [kind for mark, kind in ENGINE_REPLIES.items() if mark in message]
+    return (kinds[0] if kinds else EngineError)(message)
 
 
 def served_version(label: str) -> int:
