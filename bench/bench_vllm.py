@@ -2,7 +2,7 @@
 
 For each model shape the real publisher writes two versions, A and B (``--layout both``), and
 a CPU ``vllm.LLM`` (tp=1) starts from A's ``hf`` layout with the ``weightcast`` backend. Each
-run then swaps the engine to the other version (``driver.swap``: start, update, finish, set
+run then swaps the engine to the other version (``engine.swap``: start, update, finish, set
 the version, reset the prefix cache: what a node pays) and reads, from the worker's report,
 the backend's stage (lease, verify, read the rank's part) and apply (vLLM's layerwise reload,
 CPU repacking included) times. Every update gets a verification record of its own, so each
@@ -54,7 +54,8 @@ def drop_pages(directory: Path) -> None:
 def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
     from bench_publisher import cold_read
     from weightcast.client.vllm.backend import report
-    from weightcast.client.vllm.driver import LocalEngine, swap
+    from weightcast.client.vllm.engine import swap
+    from weightcast.client.vllm.local_engine import LocalEngine
     from weightcast.client.weights import WeightsClient
     from weightcast.contract.layout import FUSED_WEIGHTS_FILE
     from weightcast.contract.model_shape import SHAPES, ConfigExtras

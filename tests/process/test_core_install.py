@@ -35,7 +35,7 @@ NODE_SCRIPT = """
 import json, sys
 import weightcast
 from weightcast import AsyncWeightsClient, BatchProducer, AsyncBatchProducer, WeightsClient
-import weightcast.client.vllm.driver  # the vLLM node's driver needs neither vLLM nor the trainer
+import weightcast.client.vllm.server_node  # the vLLM node needs neither vLLM nor the trainer
 
 missing = []
 for heavy in ("torchtitan", "watchdog", "transformers", "prometheus_client"):

@@ -10,7 +10,7 @@ import pkgutil
 import pytest
 import redis
 
-from weightcast.client.vllm.driver import EngineError, VersionRefused, engine_error
+from weightcast.client.vllm.engine import EngineError, VersionRefused, engine_error
 from weightcast.client.vllm.protocol import REFUSED
 from weightcast.contract.errors import (
     RedisAccessDenied,

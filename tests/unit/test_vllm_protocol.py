@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from weightcast.client.vllm.driver import served_version
 from weightcast.client.vllm.protocol import InitInfo, UpdateInfo, resolve
+from weightcast.client.vllm.server_node import served_version
 from weightcast.runtime.settings import load_config
 
 

@@ -20,7 +20,8 @@ import pytest
 import redis
 import torch
 
-from weightcast.client.vllm.driver import EngineError, LocalEngine, swap
+from weightcast.client.vllm.engine import EngineError, swap
+from weightcast.client.vllm.local_engine import LocalEngine
 from weightcast.client.vllm.protocol import REFUSED
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import MANIFEST_NAME, sha256_bytes

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from weightcast.client.vllm.driver import swap
+from weightcast.client.vllm.engine import swap
 from weightcast.contract.codec import RolloutBatch
 from weightcast_trainer.loss import logprob_mismatch
 

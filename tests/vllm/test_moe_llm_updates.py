@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from weightcast.client.vllm.driver import LocalEngine, swap
+from weightcast.client.vllm.engine import swap
+from weightcast.client.vllm.local_engine import LocalEngine
 
 from vllm_helpers import Registry, backend_engine, greedy, moe_checkpoint
 

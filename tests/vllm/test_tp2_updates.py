@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from weightcast.client.vllm.driver import LocalEngine, swap
+from weightcast.client.vllm.engine import swap
+from weightcast.client.vllm.local_engine import LocalEngine
 
 from conftest import Versions, assert_refused_and_unchanged
 from vllm_helpers import backend_engine, greedy

@@ -24,7 +24,7 @@ import redis
 import torch
 from safetensors.torch import save_file
 
-from weightcast.client.vllm.driver import LocalEngine
+from weightcast.client.vllm.local_engine import LocalEngine
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.runtime.settings import load_config

@@ -5,7 +5,7 @@ that must not be loaded is logged and skipped, and the next good one is loaded. 
 ``--rollout`` it also samples from the version it loaded and pushes scored batches to the
 trainer (see :mod:`weightcast.local.rollout`), keeping at most ``rollout.max_pending`` of them
 queued. With ``--vllm-url`` it keeps a running ``vllm serve`` on the newest version instead
-(:mod:`weightcast.client.vllm.driver`).
+(:mod:`weightcast.client.vllm.server_node`).
 
 It rides out Redis outages and a full Redis (``common.redis_retry_seconds``; retries with
 capped exponential back-off, then one clear error) and serves ``/healthz`` on
@@ -50,7 +50,7 @@ def run_follow(config: Config) -> int:
     signal.signal(signal.SIGINT, request_stop)
     node: Follower
     if cfg.vllm_url:
-        from weightcast.client.vllm.driver import server_node
+        from weightcast.client.vllm.server_node import server_node
 
         node = server_node(config, client)
     else:

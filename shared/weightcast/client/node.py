@@ -40,7 +40,7 @@ class LoadedVersion:
 
 class Follower(Protocol):
     """What ``weightcast follow`` drives, whichever kind of node it runs (:class:`Node`, or
-    :class:`~weightcast.client.vllm.driver.ServerNode` for ``--vllm-url``)."""
+    :class:`~weightcast.client.vllm.server_node.ServerNode` for ``--vllm-url``)."""
 
     client: WeightsClient
 

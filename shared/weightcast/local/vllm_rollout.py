@@ -3,7 +3,7 @@
 The engine starts when the first version is published, from that version's ``config.json``
 with placeholder weights (``load_format="dummy"``: nothing is sampled from them), and every
 version, the first included, reaches it through the ``weightcast`` weight-transfer backend
-(:func:`weightcast.client.vllm.driver.swap`), the way a production vLLM node gets them. Each
+(:func:`weightcast.client.vllm.engine.swap`), the way a production vLLM node gets them. Each
 completion is sampled at temperature 1 with its own seed, and vLLM returns the
 log-probability of every sampled token (of the raw logits, the trainer's ``old_logprobs``).
 
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from weightcast.client.node import Node
-from weightcast.client.vllm.driver import EngineError, LocalEngine, swap
+from weightcast.client.vllm.engine import EngineError, swap
+from weightcast.client.vllm.local_engine import LocalEngine
 from weightcast.contract.errors import ConfigError, VersionGone, WeightsError
 from weightcast.contract.model_shape import ModelShape
 from weightcast.local.policy import Policy
