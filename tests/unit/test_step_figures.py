@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from weightcast_trainer.worker import read_figures
+from weightcast_trainer.train_step import read_figures
 
 
 def test_every_tensor_is_read_as_a_float_in_place_and_plain_numbers_pass() -> None:
