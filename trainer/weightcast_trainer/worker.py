@@ -2,7 +2,9 @@
 
 ``Trainer`` is torchtitan's ForgeEngine (model, parallelism, optimizer, LR schedule, resume
 checkpointer) plus the pieces weightcast adds: a Redis batch source, a policy loss, the train
-state of applied stream ids, a background snapshot writer and telemetry.
+state of applied stream ids, a background snapshot writer and telemetry. What a step computes
+is :mod:`weightcast_trainer.train_step`'s; the loop decides what it trains and what becomes
+of its batches.
 
 What can go wrong, and what the loop does (docs/trainer.md has the whole story):
 
@@ -18,18 +20,17 @@ What can go wrong, and what the loop does (docs/trainer.md has the whole story):
 
 from __future__ import annotations
 
-import dataclasses
-import math
+import contextlib
 import os
 import signal
 import socket
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torchtitan.distributed import utils as dist_utils
 from torchtitan.experiments.forge.engine import ForgeEngine
 from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
@@ -45,95 +46,16 @@ from weightcast.runtime.retry import Outage
 from weightcast_trainer import collectives
 from weightcast_trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 from weightcast_trainer.hf_start import StartCheckpoint, load_start, start_config
-from weightcast_trainer.loss import (
-    LossFn,
-    LossSettings,
-    Mismatch,
-    get_loss,
-    logprob_mismatch,
-    policy_entropy,
-    trained_tokens,
-)
+from weightcast_trainer.loss import LossFn, LossSettings, get_loss
 from weightcast_trainer.model import START_FLAVOR, flavor_args, hf_config, register_train_spec
 from weightcast_trainer.resume import TrainState, resume_dir
 from weightcast_trainer.resume_checkpoints import ResumeCheckpoints, load_newest
 from weightcast_trainer.snapshot_writer import SnapshotWriter
 from weightcast_trainer.step_plan import StepPlan, decide, local_view
 from weightcast_trainer.telemetry import Telemetry
+from weightcast_trainer.train_step import StepOutcome, StepParts, train_step
 
 log = get_logger("trainer")
-
-STEP_METRICS = ("loss", "kl", "entropy", "clip_fraction")
-"""Per-step figures averaged over the trained tokens of all micro-batches and ranks."""
-
-
-@dataclasses.dataclass
-class StepTotals:
-    """What one step adds up over its micro-batches, then over the ranks.
-
-    Each metric of :data:`STEP_METRICS` is a token-weighted sum and the tokens that weigh it
-    (a micro-batch whose loss was not finite adds none), so its mean is the one over every
-    trained token of the step.
-    """
-
-    weighted: dict[str, float] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(STEP_METRICS, 0.0)
-    )
-    weights: dict[str, float] = dataclasses.field(
-        default_factory=lambda: dict.fromkeys(STEP_METRICS, 0.0)
-    )
-    input_tokens: float = 0.0
-    failed_losses: float = 0.0
-    """Micro-batches whose loss was not finite."""
-    mismatch_kl: float = 0.0
-    """Summed k3 KL(engine || trainer) of the trained tokens of on-policy batches."""
-    mismatch_tokens: float = 0.0
-    mismatch_max: float = -1.0
-    """Largest log-probability difference of those tokens; -1 when there were none."""
-
-    def add_mismatch(self, kl: float, tokens: float, max_abs: float) -> None:
-        """One on-policy micro-batch's :class:`~weightcast_trainer.loss.Mismatch`, read."""
-        self.mismatch_kl += kl
-        self.mismatch_tokens += tokens
-        self.mismatch_max = max(self.mismatch_max, max_abs)
-
-    def add(self, values: dict[str, float], trained: float, inputs: int, finite: bool) -> None:
-        self.input_tokens += inputs
-        if not finite:
-            self.failed_losses += 1
-            return
-        for name in STEP_METRICS:
-            if name in values:
-                self.weighted[name] += values[name] * trained
-                self.weights[name] += trained
-
-    def over_ranks(self, device: torch.device) -> StepTotals:
-        """The sums of every rank, in one all-reduce."""
-        named = {f"weighted.{k}": v for k, v in self.weighted.items()}
-        named |= {f"weights.{k}": v for k, v in self.weights.items()}
-        named |= {"input_tokens": self.input_tokens, "failed_losses": self.failed_losses}
-        named |= {"mismatch_kl": self.mismatch_kl, "mismatch_tokens": self.mismatch_tokens}
-        summed = collectives.sum_over_ranks(named, device)
-        (largest,) = collectives.max_over_ranks([self.mismatch_max], device)
-        return StepTotals(
-            {k: summed[f"weighted.{k}"] for k in STEP_METRICS},
-            {k: summed[f"weights.{k}"] for k in STEP_METRICS},
-            summed["input_tokens"],
-            summed["failed_losses"],
-            summed["mismatch_kl"],
-            summed["mismatch_tokens"],
-            largest,
-        )
-
-    def means(self) -> dict[str, float]:
-        """Each metric's mean over the trained tokens that reported it, and the mismatch
-        (``mismatch_kl``: mean KL per token, ``mismatch_max``) when a batch was on-policy."""
-        means = {k: self.weighted[k] / self.weights[k] for k in STEP_METRICS if self.weights[k]}
-        if self.mismatch_tokens:
-            means["mismatch_kl"] = self.mismatch_kl / self.mismatch_tokens
-            means["mismatch_max"] = self.mismatch_max
-        return means
-
 
 _CPU_NOISE = (
     "DTensor random operators may not have complete support on cpu",
@@ -141,18 +63,6 @@ _CPU_NOISE = (
     "In CPU autocast, but the target dtype is not supported",
 )
 """torchtitan's warnings on every CPU start; they say nothing the user can act on."""
-
-
-@dataclasses.dataclass
-class StepOutcome:
-    """What one optimizer step computed, and whether its update was applied."""
-
-    metrics: dict[str, float]
-    applied: bool
-    finite: list[bool]
-    """Per micro-batch of this rank: was its loss finite."""
-    loss_failed_somewhere: bool
-    """Some micro-batch on some rank had a non-finite loss."""
 
 
 class Trainer(ForgeEngine):
@@ -172,10 +82,7 @@ class Trainer(ForgeEngine):
         checked ``--init-from`` checkpoint (:func:`~weightcast_trainer.hf_start.inspect_start`)."""
         self.cfg = config.trainer
         self.start = start
-        self.loss = _load_loss(self.cfg.loss)
-        self.loss_settings = LossSettings(
-            clip_eps=self.cfg.clip_eps, kl_coef=self.cfg.kl_coef, dual_clip=self.cfg.dual_clip
-        )
+        loss = _load_loss(self.cfg.loss)  # a bad name fails before the model is built
         self.resume_dir = resume_dir(config)
         self.train_state = TrainState(self.cfg.applied_history)
         _quiet_cpu_warnings()
@@ -200,6 +107,7 @@ class Trainer(ForgeEngine):
         )
         self.batches = self._open_batch_source()
         self.snapshots = self._snapshot_writer(config)
+        self.step_parts = self._step_parts(loss)
         self.telemetry = Telemetry(
             self.redis, self.keys, self.cfg.metrics_port, self.leader, self.outage
         )
@@ -304,6 +212,29 @@ class Trainer(ForgeEngine):
             config.common.checkpoint_dir, adapter.to_hf, snapshot_config, model, self.run_id
         )
 
+    def _step_parts(self, loss: LossFn) -> StepParts:
+        """What :func:`~weightcast_trainer.train_step.train_step` works on, torchtitan's."""
+        cfg = self.cfg
+        return StepParts(
+            model=self.model_parts[0],  # one part: pipeline parallelism is refused
+            optimizers=self.optimizers,
+            lr_schedulers=self.lr_schedulers,
+            loss=loss,
+            loss_settings=LossSettings(
+                clip_eps=cfg.clip_eps, kl_coef=cfg.kl_coef, dual_clip=cfg.dual_clip
+            ),
+            max_norm=self.job_config.training.max_norm,
+            device=self.device,
+            dp_degree=self.dp_degree,
+            forward_context=self._forward_context,
+            before_update=self.snapshots.before_weights_change,
+        )
+
+    @contextlib.contextmanager
+    def _forward_context(self) -> Iterator[None]:
+        with self.train_context(None), self.maybe_enable_amp:
+            yield
+
     def _start_loop_state(self) -> None:
         self.buffer: list[StreamBatch] = []
         self.stop_signals = 0
@@ -389,25 +320,83 @@ class Trainer(ForgeEngine):
         items, self.buffer = self.buffer[: plan.take], self.buffer[plan.take :]
         self.batches.begin_step([item.entry_id for item in items])
         on_policy = [self._on_policy(item.batch) for item in items]
-        outcome = self.train_step([item.batch for item in items], plan.passes, on_policy)
+        outcome = train_step(
+            self.step_parts, [item.batch for item in items], plan.passes, on_policy
+        )
         if not outcome.applied:
             self.batches.end_step()  # finished: the batches at fault are dead-lettered now
             self._drop(items, outcome)
             self._report(force=True)
             return
-        state = self.train_state
+        self._applied(items)
+        step = self.train_state.step
+        if step != self.cfg.steps:  # the last step's are written by _finish
+            if step % self.resume_every == 0:
+                self.resume_checkpoints.save()
+            if step % self.cfg.publish_every == 0:
+                self._publish()
+        self._report_step(items, on_policy, outcome.metrics, time.perf_counter() - start)
+
+    def _on_policy(self, batch: RolloutBatch) -> bool:
+        """The batch was sampled from the version that holds exactly the weights the trainer
+        holds now (policy lag 0 steps): its ``old_logprobs`` should equal the trainer's."""
+        return self.batches.version_step(batch.policy_version) == self.train_state.step
+
+    def _drop(self, items: list[StreamBatch], outcome: StepOutcome) -> None:
+        """A step that was not applied: dead-letter the batches at fault, keep the others.
+
+        The batches whose loss was not finite are at fault. When every loss was finite and
+        only the gradient norm was not, the step cannot tell which batch caused it, and all
+        of its batches are dead-lettered. Every rank decides alike (the flags were reduced).
+        """
+        self.skipped_steps += 1
+        step = self.train_state.step + 1
+        grad_norm = outcome.metrics["grad_norm"]
+        if outcome.loss_failed_somewhere:
+            at_fault = [item for item, ok in zip(items, outcome.finite, strict=True) if not ok]
+            reason = (
+                f"its loss was not finite in step {step}; the step was not applied "
+                "(check the batch's advantages and log-probabilities, or the loss function)"
+            )
+        else:
+            at_fault = list(items)
+            reason = (
+                f"the gradient norm of step {step} was {grad_norm} with every loss finite; "
+                "the step was not applied and every batch in it is dead-lettered"
+            )
+        for item in at_fault:
+            self.batches.reject(item.entry_id, reason)
+        kept = [item for item in items if item not in at_fault]
+        self.buffer = kept + self.buffer
+        log.warning(
+            "step skipped: its loss or gradient norm was not finite; weights unchanged",
+            step=step,
+            grad_norm=grad_norm,
+            dead_lettered=",".join(item.entry_id for item in at_fault),
+            retried=",".join(item.entry_id for item in kept),
+            skipped_steps=self.skipped_steps,
+        )
+        self.telemetry.update(Heartbeat(skipped_steps=self.skipped_steps))
+
+    def _applied(self, items: list[StreamBatch]) -> None:
+        """An applied step: its entries (every rank's) join the train state, which counts
+        the step, and wait for the resume checkpoint that will hold them."""
         applied = [item.entry_id for item in items]
-        state.record(collectives.gather_ids(applied, self.device))
-        state.step += 1
+        self.train_state.record(collectives.gather_ids(applied, self.device))
+        self.train_state.step += 1
         self.resume_checkpoints.trained(applied)
         self.batches.end_step()
-        if state.step != self.cfg.steps:  # the last step's are written by _finish
-            if state.step % self.resume_every == 0:
-                self.resume_checkpoints.save()
-            if state.step % self.cfg.publish_every == 0:
-                self._publish()
-        seconds = time.perf_counter() - start
-        metrics = outcome.metrics
+
+    def _report_step(
+        self,
+        items: list[StreamBatch],
+        on_policy: list[bool],
+        metrics: dict[str, float],
+        seconds: float,
+    ) -> None:
+        """The applied step's figures, policy lag and mismatch version: heartbeat, gauges,
+        log line."""
+        state = self.train_state
         mismatch_version = None
         if "mismatch_kl" in metrics:  # the same on every rank: the sums were reduced
             pairs = zip(items, on_policy, strict=True)
@@ -446,121 +435,6 @@ class Trainer(ForgeEngine):
             entries=",".join(item.entry_id for item in items),
         )
         self._report(force=True)
-
-    def _on_policy(self, batch: RolloutBatch) -> bool:
-        """The batch was sampled from the version that holds exactly the weights the trainer
-        holds now (policy lag 0 steps): its ``old_logprobs`` should equal the trainer's."""
-        return self.batches.version_step(batch.policy_version) == self.train_state.step
-
-    def train_step(
-        self, batches: list[RolloutBatch], passes: int, on_policy: list[bool] | None = None
-    ) -> StepOutcome:
-        """One optimizer step over this rank's micro-batches, in ``passes`` forward/backward
-        passes (the ones beyond ``batches`` on no batch, with zero weight). For the batches
-        ``on_policy`` marks, it also measures the train/inference mismatch
-        (:func:`~weightcast_trainer.loss.logprob_mismatch`) on the logits it computes anyway.
-
-        Each micro-batch's loss (a mean over its trained tokens) is weighted by its share of
-        the trained tokens of the whole step on all ranks, so the update is the one a single
-        batch holding every sequence would give. The update is applied only when every loss
-        on every rank and the gradient norm are finite; otherwise the gradients are dropped
-        and the weights, optimizer state and LR schedule stay as they were.
-        """
-        self.optimizers.zero_grad()
-        model = self.model_parts[0]
-        tokens = [trained_tokens(b) for b in batches]
-        total = collectives.sum_over_ranks({"tokens": float(sum(tokens))}, self.device)["tokens"]
-        figures: list[dict[str, float | torch.Tensor]] = []
-        for index in range(passes):
-            if index >= len(batches):
-                self._idle_pass(model)
-                continue
-            batch = _to_device(batches[index], self.device)
-            with self.train_context(None), self.maybe_enable_amp:
-                logits = model(batch.input_ids)
-                result = self.loss(logits, batch, self.loss_settings)
-            values = {
-                **result.metrics,
-                "loss": result.loss.detach(),
-                "entropy": policy_entropy(logits, batch),
-            }
-            if on_policy and on_policy[index]:
-                values.update(_mismatch_figures(logprob_mismatch(logits, batch)))
-            del logits
-            (result.loss * (tokens[index] * self.dp_degree / total)).backward()
-            figures.append(values)
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in self.model_parts for p in m.parameters()],
-            self.job_config.training.max_norm,
-            foreach=True,
-        )
-        # The step's one sync: every figure of every micro-batch and the norm, read at once.
-        *read, last = read_figures([*figures, {"grad_norm": grad_norm}], self.device)
-        grad_norm = last["grad_norm"]
-        totals = StepTotals()
-        finite = []
-        for index, values in enumerate(read):
-            finite.append(math.isfinite(values["loss"]))
-            totals.add(values, tokens[index], batches[index].num_tokens, finite[-1])
-            if "mismatch_kl" in values:
-                totals.add_mismatch(
-                    values["mismatch_kl"], values["mismatch_tokens"], values["mismatch_max"]
-                )
-        totals = totals.over_ranks(self.device)
-        loss_failed = totals.failed_losses > 0
-        metrics = totals.means() | {"grad_norm": grad_norm, "tokens": totals.input_tokens}
-        if loss_failed or not math.isfinite(grad_norm):
-            self.optimizers.zero_grad()
-            return StepOutcome(metrics, False, finite, loss_failed)
-        metrics["lr"] = self.lr_schedulers.schedulers[0].get_last_lr()[0]  # this step's rate
-        self.snapshots.before_weights_change()  # a snapshot's copy may still read them
-        self.optimizers.step()
-        self.lr_schedulers.step()
-        return StepOutcome(metrics, True, finite, loss_failed)
-
-    def _idle_pass(self, model: torch.nn.Module) -> None:
-        """A forward and backward pass that adds nothing to the gradients: FSDP's collectives
-        need every rank to run as many passes as the busiest one."""
-        tokens = torch.zeros(1, 2, dtype=torch.long, device=self.device)
-        with self.train_context(None), self.maybe_enable_amp:
-            logits = model(tokens)
-        (logits.float().sum() * 0.0).backward()
-
-    def _drop(self, items: list[StreamBatch], outcome: StepOutcome) -> None:
-        """A step that was not applied: dead-letter the batches at fault, keep the others.
-
-        The batches whose loss was not finite are at fault. When every loss was finite and
-        only the gradient norm was not, the step cannot tell which batch caused it, and all
-        of its batches are dead-lettered. Every rank decides alike (the flags were reduced).
-        """
-        self.skipped_steps += 1
-        step = self.train_state.step + 1
-        grad_norm = outcome.metrics["grad_norm"]
-        if outcome.loss_failed_somewhere:
-            at_fault = [item for item, ok in zip(items, outcome.finite, strict=True) if not ok]
-            reason = (
-                f"its loss was not finite in step {step}; the step was not applied "
-                "(check the batch's advantages and log-probabilities, or the loss function)"
-            )
-        else:
-            at_fault = list(items)
-            reason = (
-                f"the gradient norm of step {step} was {grad_norm} with every loss finite; "
-                "the step was not applied and every batch in it is dead-lettered"
-            )
-        for item in at_fault:
-            self.batches.reject(item.entry_id, reason)
-        kept = [item for item in items if item not in at_fault]
-        self.buffer = kept + self.buffer
-        log.warning(
-            "step skipped: its loss or gradient norm was not finite; weights unchanged",
-            step=step,
-            grad_norm=grad_norm,
-            dead_lettered=",".join(item.entry_id for item in at_fault),
-            retried=",".join(item.entry_id for item in kept),
-            skipped_steps=self.skipped_steps,
-        )
-        self.telemetry.update(Heartbeat(skipped_steps=self.skipped_steps))
 
     def _checkpoint_bytes(self) -> int:
         """About the bytes one resume checkpoint takes: model and optimizer tensors."""
@@ -680,51 +554,3 @@ def _default_dist_env() -> None:
         ("MASTER_PORT", "0"),
     ):
         os.environ.setdefault(name, value)
-
-
-def _mismatch_figures(mismatch: Mismatch | None) -> dict[str, torch.Tensor]:
-    if mismatch is None:
-        return {}
-    return {
-        "mismatch_kl": mismatch.kl,
-        "mismatch_tokens": mismatch.tokens,
-        "mismatch_max": mismatch.max_abs,
-    }
-
-
-def read_figures(
-    rows: list[dict[str, float | torch.Tensor]], device: torch.device
-) -> list[dict[str, float]]:
-    """``rows`` with every 0-dim tensor read as a float, all in one device-to-host copy:
-    each ``.item()`` would wait for the device on its own. A tensor of more than one value
-    (a user's loss metric) is a :class:`ValueError` naming it."""
-    tensors = []
-    for row in rows:
-        for name, value in row.items():
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"loss metric {name!r} is a tensor of {value.numel()} values; "
-                        "return a float or a tensor of one value"
-                    )
-                tensors.append(value)
-    host = iter(
-        torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors]).tolist()
-        if tensors
-        else []
-    )
-    return [
-        {k: next(host) if isinstance(v, torch.Tensor) else float(v) for k, v in row.items()}
-        for row in rows
-    ]
-
-
-def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
-    return dataclasses.replace(
-        batch,
-        **{
-            f.name: getattr(batch, f.name).to(device)
-            for f in dataclasses.fields(batch)
-            if isinstance(getattr(batch, f.name), torch.Tensor)
-        },
-    )
