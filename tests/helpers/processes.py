@@ -33,9 +33,11 @@ def run_env(redis_url: str, namespace: str, root: Path) -> dict[str, str]:
 
 def with_namespace(env: dict[str, str], root: Path, name: str) -> dict[str, str]:
     """``env`` for a second run beside the test's own: namespace ``<namespace>-<name>`` on the
-    same Redis, its directories under ``root / name``."""
+    same Redis, its directories under ``root / name``; the rest of ``env`` (a PYTHONPATH
+    :func:`with_test_modules` set) as it is."""
     namespace = f"{env['WEIGHTCAST_NAMESPACE']}-{name}"
-    return {**env, **run_env(env["WEIGHTCAST_REDIS_URL"], namespace, root / name)}
+    ours = run_env(env["WEIGHTCAST_REDIS_URL"], namespace, root / name)
+    return {**env, **{k: v for k, v in ours.items() if k.startswith("WEIGHTCAST_")}}
 
 
 def stop(process: subprocess.Popen, signum: int = signal.SIGTERM, timeout: float = 60) -> int:
