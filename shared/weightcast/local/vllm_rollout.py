@@ -107,8 +107,8 @@ class VllmPolicies:
             if self.llm is None:
                 self._start_engine(latest)
             swap(LocalEngine(self.llm), latest)
-        except (EngineError, WeightsError) as exc:
-            if not isinstance(exc, VersionGone):
+        except (EngineError, WeightsError, VersionGone) as exc:
+            if not isinstance(exc, VersionGone):  # evicted meanwhile: the next one may do
                 self.node.seen = latest
             log.error("the vllm engine did not load version", version=latest, error=str(exc))
             return None
