@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,58 @@ def test_with_deltas_on_each_version_is_read_back_into_the_page_cache_as_the_nex
     else:
         assert publisher.warming is None
         assert cached_bytes(weights) < weights.stat().st_size
+
+
+def redraw(state: dict[str, torch.Tensor]) -> None:
+    """New random values everywhere: a version that shares nothing with the one before."""
+    gen = torch.Generator().manual_seed(1)
+    for tensor in state.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+
+
+CHANGES = {
+    "a small change keeps its delta": (nudge, ""),
+    "every value moved drops it": (redraw, "the delta stopped paying"),
+}
+
+
+@pytest.mark.parametrize("change, reason", CHANGES.values(), ids=CHANGES.keys())
+def test_the_registry_says_why_a_version_has_no_delta_and_no_partial_delta_is_left(
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+    change: Callable[[dict[str, torch.Tensor]], None],
+    reason: str,
+) -> None:
+    """A delta larger than half the bytes it covers is not worth a node's XOR: the publisher
+    stops encoding it, removes what it wrote of it, and says so in the log, the registry entry
+    and a counter; a small change still gets its delta."""
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, shape=SHAPE)
+    publisher = deployment.publisher
+    state = hf_state(SHAPE, torch.bfloat16)
+    for step in (1, 2):
+        if step == 2:
+            change(state)
+        write_snapshot(tmp_path / "checkpoints", step, SHAPE, state)
+        with caplog.at_level(logging.INFO, "weightcast.publisher"):
+            publisher.scan_once()
+    first = VersionInfo.from_fields(1, client.hgetall(keys.version(1)))
+    second = VersionInfo.from_fields(2, client.hgetall(keys.version(2)))
+    assert first.no_delta == ""  # no base: nothing was dropped
+    directory = tmp_path / "weights" / second.path
+    written = sorted(p.name for p in directory.iterdir() if p.name.startswith("delta-"))
+    dropped = publisher.metrics.deltas_dropped.labels("too_large")._value.get()
+    if not reason:
+        assert (second.delta_from, second.no_delta) == (1, "")
+        assert 0 < second.delta_bytes < second.bytes // 10
+        assert written == ["delta-from-v1.xor-zstd"] and dropped == 0
+        return
+    assert (second.delta_from, second.delta_bytes) == (0, 0)
+    assert second.no_delta.startswith(reason), second.no_delta
+    assert no_delta_reason(caplog) == second.no_delta
+    assert written == [] and dropped == 1
+    assert Manifest.read(directory).delta is None
+    verify_files(directory, Manifest.read(directory))
+    assert not list((tmp_path / "weights").glob(".tmp-*"))
