@@ -23,11 +23,12 @@ byte is touched once, and memory stays at the ring's size whatever the model's.
 A :class:`BufferSink` (the version's delta, :mod:`weightcast_publisher.delta_writer`) may take
 each buffer too: the hash thread hands it the buffer's bytes and digests after passing the
 buffer to the writer, so its work overlaps the disk write, and the buffer is free again once
-both are done with it. The sink must never hold the writer: when the writer is done with a
-buffer the sink still holds and the ring waits on the sink (the writer has nothing left to
-write while a filled buffer waits for a hash thread, or the filling thread waits for a free
-buffer), the pipeline tells the sink (``behind``), which then gives up (the delta is dropped,
-the buffers come free).
+both are done with it. The sink must never hold the writer: when the filling thread waits for
+a free buffer while the writer is done with one the sink still holds, the pipeline tells the
+sink (``behind``), which then gives up (the delta is dropped, the buffers come free). Not
+earlier (say, the writer idle while both hash threads encode): a file of fewer buffers than
+the ring, and the last buffers of any file, always end with the writer waiting on them for
+a moment, which costs the publish little and would drop every small delta.
 """
 
 from __future__ import annotations
@@ -300,8 +301,7 @@ class _Pipeline:
         """Buffers the writer is done with and the sink is not."""
         self.waiting = False
         """Whether the filling thread waits for a free buffer."""
-        self.unhashed = 0
-        """Filled buffers no hash thread has taken yet."""
+
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
         self.to_hash: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
@@ -405,8 +405,6 @@ class _Pipeline:
             self.current = self._next_free()
 
     def _hand_over(self) -> None:
-        with self.done_lock:
-            self.unhashed += 1
         self.to_hash.put((self.current, self.offset, self.filled))
         self.offset += self.filled
         self.filled = 0
@@ -447,8 +445,6 @@ class _Pipeline:
         """Digest the blocks of each buffer and check its floats, then pass it on."""
         scratch = np.empty(_CHECK_BYTES, dtype=np.uint8)
         while (item := self.to_hash.get()) is not None:
-            with self.done_lock:
-                self.unhashed -= 1
             index, offset, n = item
             try:
                 if self.error is None:
@@ -473,8 +469,8 @@ class _Pipeline:
 
     def _release(self, index: int, writer: bool = False) -> None:
         """One holder (the ``writer``, or the sink) is done with buffer ``index``; the last
-        one frees it. The writer done first while it has nothing left to write but a buffer
-        waits for a hash thread, or while the filling thread waits: the sink is behind."""
+        one frees it. The writer done first while the filling thread waits: the sink is
+        behind."""
         behind = False
         with self.done_lock:
             self.done[index] += 1
@@ -484,8 +480,7 @@ class _Pipeline:
                 self.sink_only.discard(index)
             elif writer:
                 self.sink_only.add(index)
-                idle = self.to_write.empty() and self.unhashed > 0
-                behind = self.waiting or idle
+                behind = self.waiting
         if last:
             self.free.put(index)
         if behind:
