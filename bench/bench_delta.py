@@ -21,7 +21,8 @@ root). Prints medians and the median of the per-round ratios (delta / full).
 ``publish`` (issue 29): per ``--change-rates`` (percent of the bf16 values moved by one ulp at
 random places, as an Adam step moves a bf16 copy; 100: new random values, a version that
 shares nothing with the last), the publisher with its defaults (deltas on) and with
-``--no-delta`` against ``cp`` + ``fsync`` of the same bytes, alternating, in the same rounds.
+``--no-delta`` against ``cp`` + ``fsync`` of the same bytes, in the same rounds, each in each
+place of the round in turn.
 Each publish runs ``convert`` in a process of its own (no torch imported: its peak RSS is the
 publisher's) with the base v1 and the new snapshot in the page cache, as the daemon keeps
 them (it reads each version back after publishing it). Then a node that holds v1 reads the
@@ -302,7 +303,8 @@ def publish(args: argparse.Namespace) -> list[dict]:
                 row["cp_fsync"] = raw_copy(second.path, weights / ".raw")
                 shutil.rmtree(weights / ".raw")
                 kinds = ["on", "off"] + (["before"] if args.before else [])
-                for key in kinds if round_ % 2 == 0 else kinds[::-1]:
+                turn = round_ % len(kinds)  # each kind in each place in turn (not one always
+                for key in kinds[turn:] + kinds[:turn]:  # after cp + fsync or in the middle)
                     delta = key != "off"
                     code = args.before if key == "before" else None
                     got = publish_once(second.path, weights, delta, code)
