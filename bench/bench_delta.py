@@ -18,8 +18,22 @@ v1 (``keep_base``) by delta against a fresh node by the full version, both with 
 files dropped from the page cache first (``posix_fadvise DONTNEED``: a cold cache without
 root). Prints medians and the median of the per-round ratios (delta / full).
 
+``publish`` (issue 29): per ``--change-rates`` (percent of the bf16 values moved by one ulp at
+random places, as an Adam step moves a bf16 copy; 100: new random values, a version that
+shares nothing with the last), the publisher with its defaults (deltas on) and with
+``--no-delta`` against ``cp`` + ``fsync`` of the same bytes, in the same rounds, each in each
+place of the round in turn.
+Each publish runs ``convert`` in a process of its own (no torch imported: its peak RSS is the
+publisher's) with the base v1 and the new snapshot in the page cache, as the daemon keeps
+them (it reads each version back after publishing it). Then a node that holds v1 reads the
+version (by delta if it has one, else in full) and a fresh node reads the one published
+without a delta, the version's pages dropped first: end-to-end freshness is the publish plus
+the read. The delta's size is also computed offline (XOR + zstd of every changed block), so
+a delta the publisher dropped still has a size to report.
+
     .venv/bin/python bench/bench_delta.py train --lrs 1e-6 1e-5 --steps 8
     .venv/bin/python bench/bench_delta.py node --shape 0.6B --rounds 5
+    .venv/bin/python bench/bench_delta.py publish --shape 0.6B --change-rates 3 15 100 --rounds 5
 """
 
 from __future__ import annotations
@@ -38,15 +52,20 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import redis
 import torch
 
 from bench_node import registered, write_snapshot
+from bench_publisher import raw_copy
 from weightcast.client.producer import BatchProducer
 from weightcast.client.reader import VersionReader
+from weightcast.contract.delta import compressor, encode_block
 from weightcast.contract.keys import Keys
+from weightcast.contract.manifest import Manifest
 from weightcast.contract.model_shape import SHAPES
 from weightcast.contract.snapshot_format import SnapshotInfo
+from weightcast.contract.version_info import VersionInfo
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
 from weightcast_publisher.converter import ConvertOptions, convert
@@ -161,6 +180,192 @@ def changed_copy(source: Path, target: Path, fraction: float) -> Snapshot:
     return Snapshot(target, info)
 
 
+def moved_copy(source: Path, target: Path, percent: float, seed: int = 1) -> Snapshot:
+    """``source``'s snapshot with ``percent`` of its bf16 values moved one ulp at random
+    places (the lowest mantissa bit flipped), or all of them redrawn at 100 (random bits,
+    the exponent's top bit cleared as ``bench_publisher.random_state`` draws them)."""
+    shutil.copytree(source, target)
+    info = SnapshotInfo.read(target)
+    rng = np.random.default_rng(seed)
+    chunk = 1 << 24
+    for entry in info.files:
+        path = target / entry.name
+        data = bytearray(path.read_bytes())
+        header = 8 + int.from_bytes(data[:8], "little")
+        values = np.frombuffer(memoryview(data)[header:], np.uint16)
+        for at in range(0, values.size, chunk):
+            part = values[at : at + chunk]
+            if percent >= 100:
+                part[:] = rng.integers(0, 1 << 16, part.size, dtype=np.uint16) & 0xBFFF
+                continue
+            where = np.flatnonzero(rng.random(part.size, np.float32) < percent / 100)
+            part[where] ^= 1  # one ulp up or down, never across an exponent (to NaN)
+        path.write_bytes(data)
+    return Snapshot(target, info)
+
+
+def warm(directory: Path) -> None:
+    """Read every file of ``directory`` into the page cache."""
+    for path in directory.iterdir():
+        if path.is_file():
+            with open(path, "rb") as f:
+                while f.read(16 << 20):
+                    pass
+
+
+def offline_delta_bytes(new: Path, base: Path) -> int:
+    """The delta's size had every changed block been encoded: zstd (the publisher's level)
+    of the XOR of each block whose digest changed, over every weights file."""
+    manifest, old = Manifest.read(new), Manifest.read(base)
+    zstd, total = compressor(), 0
+    for entry in manifest.files:
+        before = next((f for f in old.files if f.name == entry.name), None)
+        if entry.blocks is None or before is None or before.blocks is None:
+            continue
+        a, b = (new / entry.name).read_bytes(), (base / entry.name).read_bytes()
+        for i, digest in enumerate(entry.blocks.digests):
+            if digest != before.blocks.digests[i]:
+                lo, hi = entry.blocks.span(i, entry.bytes)
+                total += len(encode_block(a[lo:hi], b[lo:hi], zstd))
+    return total
+
+
+ONCE = """
+import json, sys, time
+from pathlib import Path
+from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.snapshot_scan import Snapshot
+from weightcast.contract.snapshot_format import SnapshotInfo
+snapshot, weights, delta = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "on"
+start = time.perf_counter()
+published = convert(Snapshot(snapshot, SnapshotInfo.read(snapshot)), weights, 2,
+                    ConvertOptions(delta=delta))
+seconds = time.perf_counter() - start
+hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+delta = published.manifest.delta
+print(json.dumps({"seconds": seconds, "rss_mb": int(hwm.split()[1]) / 1024,
+                  "delta_bytes": delta.bytes if delta else 0,
+                  "no_delta": getattr(published, "no_delta", "")}))
+"""
+"""One publish of ``argv[1]`` as v2 into ``argv[2]``, deltas ``on`` or off, in a process
+without torch: its time, peak RSS and delta."""
+
+
+def publish_once(snapshot: Path, weights: Path, delta: bool, code: Path | None = None) -> dict:
+    """``ONCE`` in a process of its own, the base and the snapshot warm; ``code``: a checkout
+    whose ``shared`` and ``publisher`` to run instead of this one's (``--before``)."""
+    shutil.rmtree(weights / "v2", ignore_errors=True)
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = f"{code / 'shared'}:{code / 'publisher'}"
+    warm(snapshot)
+    warm(weights / "v1")
+    os.sync()
+    time.sleep(0.5)
+    command = [sys.executable, "-c", ONCE, str(snapshot), str(weights), "on" if delta else "off"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
+    if done.returncode:
+        raise SystemExit(f"publish failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def node_read(weights: Path, base: VersionInfo | None) -> tuple[float, str]:
+    """A node's read of v2, holding v1 (``base``) or fresh, v2's pages dropped first: the
+    seconds and how it read (``delta`` or ``full``)."""
+    reader = VersionReader(weights, keep_base=base is not None)
+    if base is not None:
+        reader.rank_tensors(base, 0, 1)
+    info = registered(weights, 2)
+    drop_cache(weights / "v2")
+    seconds = timed(partial(reader.rank_tensors, info, 0, 1))
+    return seconds, reader.stats.via
+
+
+def publish(args: argparse.Namespace) -> list[dict]:
+    work = Path(tempfile.mkdtemp(prefix="bench-delta-", dir=args.dir))
+    results = []
+    try:
+        first = write_snapshot(work / "s1", args.shape)
+        weights = work / "weights"
+        weights.mkdir()
+        convert(first, weights, 1, ConvertOptions(delta=False))
+        base = registered(weights, 1)
+        data = sum(f.bytes for f in first.info.files)
+        for percent in args.change_rates:
+            second = moved_copy(work / "s1", work / "s2", percent)
+            rows = []
+            for round_ in range(args.rounds):
+                row: dict = {"load": os.getloadavg()[0]}
+                warm(second.path)
+                os.sync()
+                time.sleep(0.5)
+                row["cp_fsync"] = raw_copy(second.path, weights / ".raw")
+                shutil.rmtree(weights / ".raw")
+                kinds = ["on", "off"] + (["before"] if args.before else [])
+                turn = round_ % len(kinds)  # each kind in each place in turn (not one always
+                for key in kinds[turn:] + kinds[:turn]:  # after cp + fsync or in the middle)
+                    delta = key != "off"
+                    code = args.before if key == "before" else None
+                    got = publish_once(second.path, weights, delta, code)
+                    row |= {f"{key}_{k}": v for k, v in got.items()}
+                    row[f"{key}_node"], row[f"{key}_via"] = node_read(
+                        weights, base if delta else None
+                    )
+                    if key == "on" and round_ == 0:
+                        row["offline_delta"] = offline_delta_bytes(weights / "v2", weights / "v1")
+                rows.append(row)
+                print(json.dumps({k: round(v, 3) if isinstance(v, float) else v
+                                  for k, v in row.items()}), flush=True)  # fmt: skip
+            shutil.rmtree(work / "s2")
+            results.append(summary(args.shape, percent, data, rows))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def summary(shape: str, percent: float, data: int, rows: list[dict]) -> dict:
+    """Medians over the rounds, and the median of each round's ratio to its cp + fsync."""
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    def ratio(key: str) -> tuple[float, float, float]:
+        values = [r[key] / r["cp_fsync"] for r in rows]
+        return statistics.median(values), min(values), max(values)
+
+    on, off = ratio("on_seconds"), ratio("off_seconds")
+    kept = [r["on_delta_bytes"] for r in rows if r["on_delta_bytes"]]
+    reasons = sorted({r["on_no_delta"][:60] for r in rows if r["on_no_delta"]})
+    fresh_on = statistics.median(r["on_seconds"] + r["on_node"] for r in rows)
+    fresh_off = statistics.median(r["off_seconds"] + r["off_node"] for r in rows)
+    print(
+        f"{shape}, {percent:g}% of values moved (load {min(r['load'] for r in rows):.1f}-"
+        f"{max(r['load'] for r in rows):.1f}): cp+fsync {med('cp_fsync'):.2f} s\n"
+        f"  defaults (delta on): {med('on_seconds'):.2f} s, {on[0]:.2f}x "
+        f"({on[1]:.2f}..{on[2]:.2f}),"
+        f" RSS {med('on_rss_mb'):.0f} MB, delta kept in {len(kept)}/{len(rows)} rounds "
+        f"({statistics.median(kept) / data if kept else 0:.2%} of the version) {reasons}\n"
+        f"  --no-delta: {med('off_seconds'):.2f} s, {off[0]:.2f}x ({off[1]:.2f}..{off[2]:.2f}), "
+        f"RSS {med('off_rss_mb'):.0f} MB\n"
+        f"  delta if encoded whole: {rows[0]['offline_delta'] / data:.2%} of the version\n"
+        f"  node holding v1: defaults {med('on_node'):.2f} s "
+        f"({sorted({r['on_via'] for r in rows})}), freshness {fresh_on:.2f} s; "
+        f"fresh node, --no-delta: {med('off_node'):.2f} s, freshness {fresh_off:.2f} s",
+        flush=True,
+    )
+    if "before_seconds" in rows[0]:
+        before = ratio("before_seconds")
+        fresh = statistics.median(r["before_seconds"] + r["before_node"] for r in rows)
+        print(
+            f"  --before: {med('before_seconds'):.2f} s, {before[0]:.2f}x "
+            f"({before[1]:.2f}..{before[2]:.2f}), RSS {med('before_rss_mb'):.0f} MB; node "
+            f"{med('before_node'):.2f} s ({sorted({r['before_via'] for r in rows})}), "
+            f"freshness {fresh:.2f} s",
+            flush=True,
+        )
+    return {"shape": shape, "percent": percent, "bytes": data, "rounds": rows}
+
+
 def drop_cache(directory: Path) -> None:
     os.sync()
     for path in directory.iterdir():
@@ -238,7 +443,7 @@ def node(args: argparse.Namespace) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("train", "node"))
+    parser.add_argument("part", choices=("train", "node", "publish"))
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=8)
@@ -247,11 +452,26 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6B")
     parser.add_argument("--changed", type=float, default=0.01, help="share of values changed")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--change-rates",
+        type=float,
+        nargs="+",
+        default=[3, 15, 100],
+        help="publish: percent of values moved (100: all redrawn)",
+    )
     parser.add_argument("--dir", default=None, help="where to write (default: $TMPDIR)")
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="publish: also publish with deltas on by the code of this checkout (git archive "
+        "of an earlier commit), alternating in the same rounds",
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
-    result = train(args) if args.part == "train" else node(args)
+    parts = {"train": train, "node": node, "publish": publish}
+    result = parts[args.part](args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

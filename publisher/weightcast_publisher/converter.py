@@ -73,6 +73,8 @@ class ConvertOptions:
     expert_parallel: bool = False
     """A mixture of experts' experts laid out whole per rank (vLLM's ``enable_expert_parallel``,
     ep = tp) instead of each expert split over the ranks (ep = 1)."""
+    delta_max_ratio: float = 0.5
+    """Drop the delta once its frames hold more than this fraction of the bytes they cover."""
 
     @property
     def ep(self) -> int:
@@ -87,6 +89,10 @@ class Published:
     reader: str
     linked: int = 0
     """Files linked from the snapshot instead of copied."""
+    no_delta: str = ""
+    """Why the version has no delta although it had a base ('' when it has one, or no base)."""
+    no_delta_kind: str = ""
+    """That reason in a word (``delta_writer.DROP_*``)."""
 
 
 def convert(
@@ -128,7 +134,8 @@ def convert(
         if isinstance(exc, SourceEnded):
             raise CorruptSnapshot(f"a data file is shorter than its header says: {exc}") from None
         raise
-    return Published(final, manifest, sha256_bytes(manifest_json), source.kind, linked)
+    dropped = ("", "") if sink is None else (sink.reason, sink.kind)
+    return Published(final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped)
 
 
 def _plan(source: Source, config: dict[str, Any], options: ConvertOptions) -> VersionPlan:
@@ -248,7 +255,7 @@ def _delta_sink(
     if base is None:
         return None
     names = [f.name for f in plan.listed]
-    return DeltaSink(tmp, base, _tensors(plan), names, options.digest)
+    return DeltaSink(tmp, base, _tensors(plan), names, options.digest, options.delta_max_ratio)
 
 
 def _tensors(plan: VersionPlan) -> list[TensorEntry]:

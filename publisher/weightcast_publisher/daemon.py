@@ -95,6 +95,7 @@ class Publisher:
             cfg.digest,
             cfg.delta,
             cfg.expert_parallel,
+            cfg.delta_max_ratio,
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
@@ -269,6 +270,8 @@ class Publisher:
         self.metrics.bytes.inc(manifest.total_bytes)
         self.metrics.versions.labels(published.reader).inc()
         self.metrics.latest.set(version)
+        if published.no_delta:
+            self.metrics.deltas_dropped.labels(published.no_delta_kind).inc()
         log.info(
             "published version",
             version=version,
@@ -278,6 +281,8 @@ class Publisher:
             lag_s=lag,
             reader=published.reader,
             linked=published.linked,
+            delta_bytes=manifest.delta.bytes if manifest.delta else 0,
+            no_delta=published.no_delta,
         )
 
     def register(self, version: int, snapshot: Snapshot, published: Published) -> tuple[int, float]:
@@ -304,6 +309,7 @@ class Publisher:
             float(snapshot_info.created_at),
             manifest.per_rank_files,
             f"{path}/{manifest.hf_dir}" if manifest.hf_dir else "",
+            published.no_delta,
         )
         while True:
             registered_at = time.time()

@@ -12,9 +12,14 @@ else no delta), encodes each buffer's frames (:class:`FileFrames`) and writes th
 and block order into one delta file per version (:class:`DeltaSink`), with at most the
 ring's worth of frames waiting for an earlier one.
 
-A delta is an optimisation: whatever goes wrong with it (a base file shorter than its
-manifest, unreadable, a full disk) drops the delta, logged with the reason, and the version
-is published without one.
+A delta is an optimisation, and never makes a publish slower: whatever goes wrong with it
+(a base file shorter than its manifest, unreadable, a full disk) drops the delta, logged with
+the reason, and the version is published without one. So do two budgets, checked as the
+frames come: a delta whose frames hold more than ``max_ratio`` of the bytes they cover (a
+version that shares little with its base: a node would read nearly all of it anyway), and a
+delta whose encoding holds the ring after the disk is done with it (the pipeline calls
+:meth:`FileFrames.behind`: the encoding would slow the write). The encoding stops at once, and
+what was written of the delta file is removed.
 """
 
 from __future__ import annotations
@@ -47,6 +52,16 @@ from weightcast.contract.version_info import dir_version, version_dir_name
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("publisher")
+
+DROP_TOO_LARGE = "too_large"
+DROP_BEHIND = "behind"
+DROP_OTHER = "other"
+"""Why a delta was dropped, in a word (the publisher's ``deltas_dropped`` counter's label):
+it stopped paying, its encoding fell behind the write, or anything else (another plan, a base
+unreadable, an error)."""
+JUDGED_AFTER = 16 * 1024 * 1024
+"""A delta's size is judged against ``max_ratio`` once its frames cover this many bytes (one
+ring buffer), and at the end."""
 
 _local = threading.local()
 """Each encoding thread's zstd compressor (one is not shared between threads) and the
@@ -117,14 +132,21 @@ class DeltaSink:
         tensors: Sequence[TensorEntry],
         files: Sequence[str],
         digest: str,
+        max_ratio: float = 0.5,
     ) -> None:
         self.base = base
+        self.max_ratio = max_ratio
         self.path = directory / delta_file_name(base.manifest.version)
         self.expected = list(files)
         """The weights files the delta must cover, in the order they are written."""
         self.digest = digest
         self.reason = ""
         """Why there is no delta ('' while there is one)."""
+        self.kind = ""
+        """:data:`DROP_TOO_LARGE`, :data:`DROP_BEHIND` or :data:`DROP_OTHER` once dropped."""
+        self.covered = 0
+        self.encoded = 0
+        """Bytes of the weights files whose frames are made, and the frames' bytes."""
         self.files: list[FileFrames] = []
         self.lock = threading.Lock()
         self.size = 0
@@ -178,6 +200,7 @@ class DeltaSink:
                 done = [f.name for f in self.files if f.next_block == f.count]
                 if not self.reason and done != self.expected:
                     self._drop(f"the delta covers {done}, not the weights files {self.expected}")
+                self._judge(at_end=True)
                 if self.reason or self._out is None:
                     return None
                 if self._hashed:
@@ -210,16 +233,31 @@ class DeltaSink:
                 if not self._finished:
                     self.path.unlink(missing_ok=True)
 
-    def drop(self, reason: str, planned: bool = False) -> None:
+    def drop(self, reason: str, planned: bool = False, kind: str = DROP_OTHER) -> None:
         """No delta for this version, because of ``reason`` (logged once); frames that come
         after are ignored."""
         with self.lock:
-            self._drop(reason, planned)
+            self._drop(reason, planned, kind)
 
-    def _drop(self, reason: str, planned: bool = False) -> None:
+    def behind(self) -> None:
+        """The ring waits on the encoding: drop the delta rather than slow the write."""
+        with self.lock:
+            seen = f"{self.covered} of the version's bytes encoded"
+            self._drop(f"the delta's encoding fell behind the write ({seen})", kind=DROP_BEHIND)
+
+    def _judge(self, at_end: bool = False) -> None:
+        """Drop the delta once its frames hold more than ``max_ratio`` of the bytes they cover."""
+        if self.covered < (1 if at_end else JUDGED_AFTER):
+            return
+        if self.encoded > self.max_ratio * self.covered:
+            share = f"{self.encoded / self.covered:.0%} of the {self.covered} bytes they cover"
+            why = f"the delta stopped paying: its frames hold {share} (over {self.max_ratio:g})"
+            self._drop(why, kind=DROP_TOO_LARGE)
+
+    def _drop(self, reason: str, planned: bool = False, kind: str = DROP_OTHER) -> None:
         if self.reason:
             return
-        self.reason = reason
+        self.reason, self.kind = reason, kind
         (log.info if planned else log.warning)(
             "no delta", base=self.base.manifest.version, reason=reason
         )
@@ -228,11 +266,16 @@ class DeltaSink:
             self._out = None
             self.path.unlink(missing_ok=True)
 
-    def put(self, frames: FileFrames, first: int, encoded: list[bytes]) -> None:
-        """The frames of blocks ``first, first + 1, ...`` of ``frames``' file: written now if
-        every earlier frame is, else kept until they are."""
+    def put(self, frames: FileFrames, first: int, encoded: list[bytes], covered: int) -> None:
+        """The frames of blocks ``first, first + 1, ...`` of ``frames``' file (``covered``
+        bytes of it): written now if every earlier frame is, else kept until they are."""
         with self.lock:
             if self.reason or self._out is None:
+                return
+            self.covered += covered
+            self.encoded += sum(len(frame) for frame in encoded)
+            self._judge()
+            if self.reason:
                 return
             frames.waiting[first] = encoded
             while frames.next_block in frames.waiting:
@@ -282,18 +325,22 @@ class FileFrames:
         """Encode ``blocks`` (their bytes: ``data``, from file offset ``offset``; their new
         digests in ``digests``) and hand their frames on. Never raises: an error drops the
         delta."""
-        if self.sink.reason:
-            return
         try:
             encoded = []
             for index in blocks:
+                if self.sink.reason:  # dropped meanwhile: stop encoding at once
+                    return
                 start, stop = self.blocks.span(index, self.size)
                 encoded.append(
                     self._frame(index, data[start - offset : stop - offset], digests[index])
                 )
-            self.sink.put(self, blocks.start, encoded)
+            self.sink.put(self, blocks.start, encoded, len(data))
         except Exception as exc:  # a delta never fails the publish
             self.sink.drop(f"{self.name}: {exc}")
+
+    def behind(self) -> None:
+        """The writer is done with a buffer the encoding still holds, and the ring needs it."""
+        self.sink.behind()
 
     def _frame(self, index: int, new: memoryview, digest: str) -> bytes:
         """Block ``index``'s frame: empty when its digest did not change (the base is not

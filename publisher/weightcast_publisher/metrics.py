@@ -47,6 +47,13 @@ class PublisherMetrics:
             ["kind"],
             registry=r,
         )
+        self.deltas_dropped = Counter(
+            "weightcast_deltas_dropped",
+            "Versions published without their delta from the one before, by why: too_large "
+            "(it stopped paying), behind (its encoding fell behind the write), other",
+            ["reason"],
+            registry=r,
+        )
         self.latest = Gauge("weightcast_latest_version", "Newest version registered", registry=r)
         self.leader = Gauge(
             "weightcast_publisher_leader", "1 while this publisher holds the lock", registry=r

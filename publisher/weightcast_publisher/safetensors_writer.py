@@ -23,7 +23,12 @@ byte is touched once, and memory stays at the ring's size whatever the model's.
 A :class:`BufferSink` (the version's delta, :mod:`weightcast_publisher.delta_writer`) may take
 each buffer too: the hash thread hands it the buffer's bytes and digests after passing the
 buffer to the writer, so its work overlaps the disk write, and the buffer is free again once
-both are done with it.
+both are done with it. The sink must never hold the writer: when the filling thread waits for
+a free buffer while the writer is done with one the sink still holds, the pipeline tells the
+sink (``behind``), which then gives up (the delta is dropped, the buffers come free). Not
+earlier (say, the writer idle while both hash threads encode): a file of fewer buffers than
+the ring, and the last buffers of any file, always end with the writer waiting on them for
+a moment, which costs the publish little and would drop every small delta.
 """
 
 from __future__ import annotations
@@ -71,6 +76,10 @@ class BufferSink(Protocol):
     def hashed(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
         """``data`` (file offset ``offset``) holds ``blocks`` whole, their new ``digests``
         filled in; called from several threads, buffers in any order; must not raise."""
+
+    def behind(self) -> None:
+        """The ring waits on this sink (the writer is done with a buffer the sink still
+        holds): give up, and return from :meth:`hashed` at once from now on."""
 
 
 class FileSinks(Protocol):
@@ -289,6 +298,11 @@ class _Pipeline:
         """Who must be done with a buffer before it is refilled: the writer, and the sink."""
         self.done = [0] * BUFFERS
         self.done_lock = threading.Lock()
+        self.sink_only: set[int] = set()
+        """Buffers the writer is done with and the sink is not."""
+        self.waiting = False
+        """Whether the filling thread waits for a free buffer."""
+
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
         self.to_hash: queue.Queue[tuple[int, int, int] | None] = queue.Queue()
@@ -397,14 +411,31 @@ class _Pipeline:
         self.filled = 0
 
     def _next_free(self) -> int:
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                return self.free.get(timeout=1)
-            except queue.Empty:
-                if not all(t.is_alive() for t in [*self.hashers, self.writer]):
-                    raise OSError(errno.EIO, "a writer thread died") from None
+        with contextlib.suppress(queue.Empty):
+            return self.free.get_nowait()
+        with self.done_lock:
+            self.waiting = True
+            behind = bool(self.sink_only)
+        if behind:
+            self._sink_behind()
+        try:
+            while True:
+                if self.error is not None:
+                    raise self.error
+                try:
+                    return self.free.get(timeout=1)
+                except queue.Empty:
+                    if not all(t.is_alive() for t in [*self.hashers, self.writer]):
+                        raise OSError(errno.EIO, "a writer thread died") from None
+        finally:
+            with self.done_lock:
+                self.waiting = False
+
+    def _sink_behind(self) -> None:
+        """The filling thread waits while the sink alone holds a buffer: the sink slows the
+        write, so it must give up."""
+        assert self.sink is not None
+        self.sink.behind()
 
     def _source(self, file: Path) -> int:
         if file not in self.sources:
@@ -437,15 +468,24 @@ class _Pipeline:
         finally:
             self._release(index)
 
-    def _release(self, index: int) -> None:
-        """One holder is done with buffer ``index``; the last one frees it."""
+    def _release(self, index: int, writer: bool = False) -> None:
+        """One holder (the ``writer``, or the sink) is done with buffer ``index``; the last
+        one frees it. The writer done first while the filling thread waits: the sink is
+        behind."""
+        behind = False
         with self.done_lock:
             self.done[index] += 1
             last = self.done[index] == self.holders
             if last:
                 self.done[index] = 0
+                self.sink_only.discard(index)
+            elif writer:
+                self.sink_only.add(index)
+                behind = self.waiting
         if last:
             self.free.put(index)
+        if behind:
+            self._sink_behind()
 
     def _digest(self, index: int, offset: int, n: int) -> None:
         view = memoryview(self.buffers[index])
@@ -478,7 +518,7 @@ class _Pipeline:
                     self._write(memoryview(self.buffers[index]), offset, n)
             except BaseException as exc:  # handed to the filling thread
                 self.error = exc
-            self._release(index)
+            self._release(index, writer=True)
 
     def _write(self, view: memoryview, offset: int, n: int) -> None:
         assert self.fd is not None

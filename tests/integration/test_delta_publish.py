@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -326,3 +327,139 @@ def test_with_deltas_on_each_version_is_read_back_into_the_page_cache_as_the_nex
     else:
         assert publisher.warming is None
         assert cached_bytes(weights) < weights.stat().st_size
+
+
+def redraw(state: dict[str, torch.Tensor]) -> None:
+    """New random values everywhere: a version that shares nothing with the one before."""
+    gen = torch.Generator().manual_seed(1)
+    for tensor in state.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=gen))
+
+
+CHANGES = {
+    "a small change keeps its delta": (nudge, ""),
+    "every value moved drops it": (redraw, "the delta"),
+}
+DROPPED = ("the delta stopped paying", "the delta's encoding fell behind the write")
+"""Why a version that shares nothing with its base has no delta: whichever budget ran out
+first (its frames' size, judged after 16 MiB, or the encoding of random bytes, slower than
+the write)."""
+
+
+@pytest.mark.parametrize("change, reason", CHANGES.values(), ids=CHANGES.keys())
+def test_the_registry_says_why_a_version_has_no_delta_and_no_partial_delta_is_left(
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+    change: Callable[[dict[str, torch.Tensor]], None],
+    reason: str,
+) -> None:
+    """A delta larger than half the bytes it covers is not worth a node's XOR: the publisher
+    stops encoding it, removes what it wrote of it, and says so in the log, the registry entry
+    and a counter; a small change still gets its delta."""
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, shape=SHAPE)
+    publisher = deployment.publisher
+    state = hf_state(SHAPE, torch.bfloat16)
+    for step in (1, 2):
+        if step == 2:
+            change(state)
+        write_snapshot(tmp_path / "checkpoints", step, SHAPE, state)
+        with caplog.at_level(logging.INFO, "weightcast.publisher"):
+            publisher.scan_once()
+    first = VersionInfo.from_fields(1, client.hgetall(keys.version(1)))
+    second = VersionInfo.from_fields(2, client.hgetall(keys.version(2)))
+    assert first.no_delta == ""  # no base: nothing was dropped
+    directory = tmp_path / "weights" / second.path
+    written = sorted(p.name for p in directory.iterdir() if p.name.startswith("delta-"))
+    dropped = sum(
+        publisher.metrics.registry.get_sample_value(name, {"reason": kind}) or 0
+        for name, kind in [("weightcast_deltas_dropped_total", k) for k in ("too_large", "behind")]
+    )
+    if not reason:
+        assert (second.delta_from, second.no_delta) == (1, "")
+        assert 0 < second.delta_bytes < second.bytes // 10
+        assert written == ["delta-from-v1.xor-zstd"] and dropped == 0
+        return
+    assert (second.delta_from, second.delta_bytes) == (0, 0)
+    assert second.no_delta.startswith(DROPPED), second.no_delta
+    assert no_delta_reason(caplog) == second.no_delta
+    assert written == [] and dropped == 1
+    assert Manifest.read(directory).delta is None
+    verify_files(directory, Manifest.read(directory))
+    assert not list((tmp_path / "weights").glob(".tmp-*"))
+
+
+def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pipeline with no write at all (``digest_file``: the writer is done with every
+    buffer at once) over a file of more buffers than the ring, half of the values moved at
+    random places (zstd of the XOR costs some 20 ms a block, the copy from the page cache
+    well under 1 ms; the size budget is lifted so that it does not end the delta first):
+    the filling thread soon waits on a buffer only the encoding holds, and the delta is
+    dropped rather than slow the write."""
+    big = dataclasses.replace(SHAPE, vocab_size=8 * 32768)  # 2 x 128 MiB embeddings: 17 buffers
+    state = hf_state(big, torch.bfloat16)
+    first = write_snapshot(tmp_path / "checkpoints", 1, big, state)
+    gen = torch.Generator().manual_seed(1)
+    for tensor in state.values():
+        flat = tensor.view(-1).view(torch.int16)
+        flat ^= (torch.rand(flat.shape, generator=gen) < 0.5).to(torch.int16)
+    second = write_snapshot(tmp_path / "checkpoints", 2, big, state)
+    v1 = convert(Snapshot(first, read_complete(first)), tmp_path / "weights", 1)
+    options = ConvertOptions(delta=False)
+    v2 = convert(Snapshot(second, read_complete(second)), tmp_path / "weights", 2, options)
+    name = "model.vllm-fused"
+    entry = next(f for f in v2.manifest.files if f.name == name)
+    assert entry.blocks is not None and entry.bytes > 6 * BUFFER_BYTES
+    for path in (v1.path / name, v2.path / name):
+        path.read_bytes()  # in the page cache: the copy is far faster than the encoding
+    out = tmp_path / "out"
+    out.mkdir()
+    sink = sink_for(tmp_path, v1, out)
+    sink.max_ratio = 1.0
+    frames = sink.file(name, entry.bytes, entry.blocks)
+    assert frames is not None
+    with caplog.at_level(logging.INFO, "weightcast.publisher"):
+        spans = spans_of(v2.path / name)
+        digested = digest_file(v2.path / name, spans, DEFAULT_DIGEST, name, Opened(frames))
+        assert sink.finish() is None
+    assert digested == entry  # the version's own digests are whole
+    assert no_delta_reason(caplog).startswith("the delta's encoding fell behind the write")
+    assert sink.kind == "behind"
+    assert list(out.iterdir()) == []
+
+
+def test_a_delta_that_stops_paying_is_dropped_after_its_first_16_mib(tmp_path: Path) -> None:
+    """Frames fed in order by one thread (no ring, so nothing falls behind) for a version
+    whose values were all redrawn: once they cover 16 MiB and hold more than half of it, the
+    delta is dropped, the later buffers are not encoded, and its file is removed."""
+    first, _ = snapshots(tmp_path)
+    state = hf_state(SHAPE, torch.bfloat16)
+    redraw(state)
+    path = write_snapshot(tmp_path / "checkpoints", 3, SHAPE, state)
+    v1 = convert(first, tmp_path / "weights", 1)
+    options = ConvertOptions(delta=False)
+    v2 = convert(Snapshot(path, read_complete(path)), tmp_path / "weights", 2, options)
+    name = "model.vllm-fused"
+    entry = next(f for f in v2.manifest.files if f.name == name)
+    assert entry.blocks is not None and entry.bytes > 2 * BUFFER_BYTES
+    out = tmp_path / "out"
+    out.mkdir()
+    sink = sink_for(tmp_path, v1, out)
+    frames = sink.file(name, entry.bytes, entry.blocks)
+    assert frames is not None
+    data = memoryview((v2.path / name).read_bytes())
+    for offset in range(0, entry.bytes, BUFFER_BYTES):
+        stop = min(offset + BUFFER_BYTES, entry.bytes)
+        frames.hashed(
+            offset, data[offset:stop], entry.blocks.block_range(offset, stop), entry.blocks.digests
+        )
+        if offset == 0:
+            assert sink.reason.startswith("the delta stopped paying: its frames hold"), sink.reason
+            assert sink.kind == "too_large" and sink.covered == BUFFER_BYTES
+    assert sink.covered == BUFFER_BYTES  # nothing encoded after the drop
+    assert sink.finish() is None
+    assert list(out.iterdir()) == []

@@ -52,6 +52,10 @@ class VersionInfo:
     """One file per tensor-parallel rank rather than one fused file."""
     hf_path: str = ""
     """The HF copy of the ``both`` layout (``v17/hf``); empty without one."""
+    no_delta: str = ""
+    """Why the version has no delta from the one before although it had a base (the delta
+    stopped paying, its encoding fell behind the write, the base differs...); empty when it
+    has one or there was no base. Operators see it; nodes need not read it."""
 
     @classmethod
     def from_fields(cls, version: int, raw: Mapping[bytes | str, bytes | str]) -> VersionInfo:
@@ -75,6 +79,7 @@ class VersionInfo:
             fields.number("snapshot_created_at", 0.0),
             fields.flag("per_rank_files", False),
             fields.text("hf_path", ""),
+            fields.text("no_delta", ""),
         )
         if not info.path or not _SHA256.fullmatch(info.manifest_sha256):
             raise WeightsError(
@@ -91,7 +96,8 @@ class VersionInfo:
 
     def as_fields(self) -> dict[str, str]:
         """The hash as the publisher writes it, all text: what :meth:`from_fields` reads
-        (JSON- and RPC-friendly). ``hf_path`` only when there is an HF copy."""
+        (JSON- and RPC-friendly). ``hf_path`` only when there is an HF copy, ``no_delta`` only
+        when a delta was dropped."""
         fields = {
             "path": self.path,
             "step": str(self.step),
@@ -109,6 +115,8 @@ class VersionInfo:
         }
         if self.hf_path:
             fields["hf_path"] = self.hf_path
+        if self.no_delta:
+            fields["no_delta"] = self.no_delta
         return fields | {"created_at": repr(float(self.created_at))}
 
 

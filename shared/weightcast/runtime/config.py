@@ -337,6 +337,15 @@ class PublisherConfig:
         "block) when their layouts match; nodes that hold the previous version read only it",
         flag="--delta",
     )
+    delta_max_ratio: float = setting(
+        0.5,
+        "stop encoding a version's delta (the version is published without one, the reason "
+        "logged and registered) once it holds more than this fraction of the bytes it covers: "
+        "a node would read nearly the whole version anyway, and the publisher pay the encoding",
+        flag="--delta-max-ratio",
+        gt=0,
+        le=1,
+    )
     leader_ttl_seconds: float = setting(
         10.0,
         "TTL of the publisher lock; a standby takes over within it when the leader dies",
