@@ -22,11 +22,12 @@ import torch
 from weightcast.client.reader import VersionReader
 from weightcast.contract.delta import decompressor, xor
 from weightcast.contract.keys import Keys
-from weightcast.contract.layout import LAYOUT_HF
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE, LAYOUT_HF
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
     MANIFEST_NAME,
     BlockDigests,
+    FileEntry,
     Manifest,
     sha256_bytes,
     verify_files,
@@ -187,7 +188,7 @@ def test_a_base_file_short_or_gone_gives_a_version_without_a_delta(
 ) -> None:
     first, second = snapshots(tmp_path)
     v1 = convert(first, tmp_path / "weights", 1)
-    base_file = v1.path / "model.vllm-fused"
+    base_file = v1.path / FUSED_WEIGHTS_FILE
     if damage == "truncated":
         os.truncate(base_file, base_file.stat().st_size - 4096)
     else:
@@ -195,7 +196,7 @@ def test_a_base_file_short_or_gone_gives_a_version_without_a_delta(
     with caplog.at_level(logging.INFO, "weightcast.publisher"):
         v2 = convert(second, tmp_path / "weights", 2)
     assert v2.manifest.delta is None
-    assert "model.vllm-fused" in no_delta_reason(caplog)
+    assert FUSED_WEIGHTS_FILE in no_delta_reason(caplog)
     assert not list(v2.path.glob("delta-*"))
     verify_files(v2.path, v2.manifest)
 
@@ -210,11 +211,21 @@ class Opened:
         return self.frames
 
 
-def sink_for(tmp_path: Path, v1: Published, v2: Path) -> DeltaSink:
+def frames_for(
+    tmp_path: Path, v1: Published, v2: Published
+) -> tuple[DeltaSink, FileFrames, FileEntry]:
+    """A delta from ``v1`` written into a fresh folder, the encoder of ``v2``'s fused file's
+    frames (fed by hand), and that file's entry."""
     base = find_base(tmp_path / "weights", 2)
     assert base is not None and base.path == v1.path
-    names = ["model.vllm-fused"]
-    return DeltaSink(v2, base, v1.manifest.tensors, names, DEFAULT_DIGEST)
+    out = tmp_path / "out"
+    out.mkdir()
+    sink = DeltaSink(out, base, v1.manifest.tensors, [FUSED_WEIGHTS_FILE], DEFAULT_DIGEST)
+    entry = next(f for f in v2.manifest.files if f.name == FUSED_WEIGHTS_FILE)
+    assert entry.blocks is not None
+    frames = sink.file(FUSED_WEIGHTS_FILE, entry.bytes, entry.blocks)
+    assert frames is not None
+    return sink, frames, entry
 
 
 def spans_of(path: Path) -> list[TensorSpan]:
@@ -233,14 +244,8 @@ def test_a_base_file_truncated_while_the_version_is_written_drops_only_the_delta
     first, second = snapshots(tmp_path)
     v1 = convert(first, tmp_path / "weights", 1)
     v2 = convert(second, tmp_path / "weights", 2, ConvertOptions(delta=False))
-    name = "model.vllm-fused"
-    entry = next(f for f in v2.manifest.files if f.name == name)
-    out = tmp_path / "out"
-    out.mkdir()
-    sink = sink_for(tmp_path, v1, out)
-    assert entry.blocks is not None
-    frames = sink.file(name, entry.bytes, entry.blocks)
-    assert frames is not None
+    name = FUSED_WEIGHTS_FILE
+    sink, frames, entry = frames_for(tmp_path, v1, v2)
     os.truncate(v1.path / name, BUFFER_BYTES)  # the first buffer's blocks are still there
     with caplog.at_level(logging.INFO, "weightcast.publisher"):
         digested = digest_file(
@@ -249,7 +254,7 @@ def test_a_base_file_truncated_while_the_version_is_written_drops_only_the_delta
         assert sink.finish() is None
     assert digested == entry
     assert no_delta_reason(caplog) == f"{name}: the base's {name} is shorter than its manifest says"
-    assert list(out.iterdir()) == []
+    assert list(sink.path.parent.iterdir()) == []
 
 
 def test_frames_fed_out_of_order_are_written_in_block_order(tmp_path: Path) -> None:
@@ -258,14 +263,8 @@ def test_frames_fed_out_of_order_are_written_in_block_order(tmp_path: Path) -> N
     v1 = convert(first, tmp_path / "weights", 1)
     v2 = convert(second, tmp_path / "weights", 2)
     assert v2.manifest.delta is not None
-    name = "model.vllm-fused"
-    entry = next(f for f in v2.manifest.files if f.name == name)
-    assert entry.blocks is not None
-    out = tmp_path / "out"
-    out.mkdir()
-    sink = sink_for(tmp_path, v1, out)
-    frames = sink.file(name, entry.bytes, entry.blocks)
-    assert frames is not None
+    name = FUSED_WEIGHTS_FILE
+    sink, frames, entry = frames_for(tmp_path, v1, v2)
     data = memoryview((v2.path / name).read_bytes())
     buffers = range(0, entry.bytes, BUFFER_BYTES)
     assert len(buffers) >= 2
@@ -278,7 +277,7 @@ def test_frames_fed_out_of_order_are_written_in_block_order(tmp_path: Path) -> N
     delta, delta_entry = finished
     assert delta == dataclasses.replace(v2.manifest.delta, files=delta.files)
     assert delta.files == v2.manifest.delta.files
-    written = (out / delta.file).read_bytes()
+    written = (sink.path.parent / delta.file).read_bytes()
     assert written == (v2.path / delta.file).read_bytes()
     assert delta_entry == next(f for f in v2.manifest.files if f.name == delta.file)
     assert Manifest.read(v2.path).delta == delta
@@ -319,7 +318,7 @@ def test_with_deltas_on_each_version_is_read_back_into_the_page_cache_as_the_nex
     publisher = deployment.publisher
     publisher.options = dataclasses.replace(publisher.options, delta=delta)
     version = deployment.publish()
-    weights = tmp_path / "weights" / f"v{version}" / "model.vllm-fused"
+    weights = tmp_path / "weights" / f"v{version}" / FUSED_WEIGHTS_FILE
     if delta:
         assert publisher.warming is not None
         publisher.warming.join(timeout=120)
@@ -411,17 +410,12 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file(
     v1 = convert(Snapshot(first, read_complete(first)), tmp_path / "weights", 1)
     options = ConvertOptions(delta=False)
     v2 = convert(Snapshot(second, read_complete(second)), tmp_path / "weights", 2, options)
-    name = "model.vllm-fused"
-    entry = next(f for f in v2.manifest.files if f.name == name)
-    assert entry.blocks is not None and entry.bytes > 6 * BUFFER_BYTES
+    name = FUSED_WEIGHTS_FILE
     for path in (v1.path / name, v2.path / name):
         path.read_bytes()  # in the page cache: the copy is far faster than the encoding
-    out = tmp_path / "out"
-    out.mkdir()
-    sink = sink_for(tmp_path, v1, out)
+    sink, frames, entry = frames_for(tmp_path, v1, v2)
+    assert entry.bytes > 6 * BUFFER_BYTES
     sink.max_ratio = 1.0
-    frames = sink.file(name, entry.bytes, entry.blocks)
-    assert frames is not None
     with caplog.at_level(logging.INFO, "weightcast.publisher"):
         spans = spans_of(v2.path / name)
         digested = digest_file(v2.path / name, spans, DEFAULT_DIGEST, name, Opened(frames))
@@ -429,7 +423,7 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file(
     assert digested == entry  # the version's own digests are whole
     assert no_delta_reason(caplog).startswith("the delta's encoding fell behind the write")
     assert sink.kind == "behind"
-    assert list(out.iterdir()) == []
+    assert list(sink.path.parent.iterdir()) == []
 
 
 def test_a_delta_that_stops_paying_is_dropped_after_its_first_16_mib(tmp_path: Path) -> None:
@@ -443,14 +437,9 @@ def test_a_delta_that_stops_paying_is_dropped_after_its_first_16_mib(tmp_path: P
     v1 = convert(first, tmp_path / "weights", 1)
     options = ConvertOptions(delta=False)
     v2 = convert(Snapshot(path, read_complete(path)), tmp_path / "weights", 2, options)
-    name = "model.vllm-fused"
-    entry = next(f for f in v2.manifest.files if f.name == name)
+    name = FUSED_WEIGHTS_FILE
+    sink, frames, entry = frames_for(tmp_path, v1, v2)
     assert entry.blocks is not None and entry.bytes > 2 * BUFFER_BYTES
-    out = tmp_path / "out"
-    out.mkdir()
-    sink = sink_for(tmp_path, v1, out)
-    frames = sink.file(name, entry.bytes, entry.blocks)
-    assert frames is not None
     data = memoryview((v2.path / name).read_bytes())
     for offset in range(0, entry.bytes, BUFFER_BYTES):
         stop = min(offset + BUFFER_BYTES, entry.bytes)
@@ -462,4 +451,4 @@ def test_a_delta_that_stops_paying_is_dropped_after_its_first_16_mib(tmp_path: P
             assert sink.kind == "too_large" and sink.covered == BUFFER_BYTES
     assert sink.covered == BUFFER_BYTES  # nothing encoded after the drop
     assert sink.finish() is None
-    assert list(out.iterdir()) == []
+    assert list(sink.path.parent.iterdir()) == []
