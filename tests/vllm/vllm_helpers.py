@@ -147,6 +147,10 @@ class Registry:
             "publisher.per_rank_files": per_rank_files,
             "publisher.expert_parallel": expert_parallel,
             "publisher.keep": 1000,
+            # The tier's versions are unrelated random states: keep their deltas whatever
+            # their size, so that engines load by delta (the default drops a delta over half
+            # the version; tests/integration/test_delta_publish.py covers that).
+            "publisher.delta_max_ratio": 1.0,
         }
         publisher = Publisher(load_config(env={}, overrides=settings))
         try:
