@@ -50,12 +50,12 @@ from pathlib import Path
 
 import weightcast.client.reader as reader_module
 from bench_publisher import write_template
-from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 from weightcast.contract.model_shape import SHAPES
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo
 from weightcast.contract.version_info import VersionInfo
+from weightcast.store.directory import OpenFile
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 

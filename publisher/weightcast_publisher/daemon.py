@@ -30,7 +30,13 @@ from typing import Any
 import redis
 
 from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
-from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
+from weightcast.contract.errors import (
+    ConfigError,
+    LayoutError,
+    StoreFull,
+    StoreUnavailable,
+    WeightcastError,
+)
 from weightcast.contract.events import Published as PublishedEvent
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
@@ -42,6 +48,8 @@ from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN, Backoff, Outage
+from weightcast.store.directory import DirectoryStore
+from weightcast.store.factory import open_store
 from weightcast_publisher.converter import (
     TMP_VERSION_PREFIX,
     ConvertOptions,
@@ -99,10 +107,16 @@ class Publisher:
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
+        self.store = open_store(
+            config.common.weights_location() if config.common.weights_url else self.weights_dir,
+            config.common.store_retry_seconds,
+        )
+        """Where nodes find versions: the weights directory itself, or a bucket that each
+        version is uploaded to once it is complete here (the next delta's base stays here)."""
         self.keys = Keys(config.common.namespace)
         self.redis = redis_client(config.common.redis_url)
         self.registry = Registry(self.redis, self.keys)
-        self.evictor = Evictor(self.redis, self.keys, self.weights_dir, cfg.keep)
+        self.evictor = Evictor(self.redis, self.keys, self.remove_version, cfg.keep)
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
         self.stopping = threading.Event()
@@ -110,7 +124,8 @@ class Publisher:
         """The read of the last version back into the page cache (the next delta's base)."""
         self.outage = Outage(budget=config.common.redis_retry_seconds, cap=cfg.retry_max_seconds)
         self.disk = Backoff(cap=cfg.retry_max_seconds)
-        """The back-off of a failing disk (full, read-only), retried without end."""
+        """The back-off of a failing disk (full, read-only) or store (down, full), retried
+        without end."""
         self.last_error = ""
         self.last_tick = time.monotonic()
         self.announced_standby = False
@@ -141,6 +156,8 @@ class Publisher:
             self.metrics.errors.labels("redis").inc()
             self.last_error = f"redis: {exc}"
             return self.outage.failed(exc, "publishing")
+        except (StoreUnavailable, StoreFull) as exc:
+            return self._store_failed(exc)
         except OSError as exc:
             return self._disk_failed(exc)
         self._recovered()
@@ -172,6 +189,7 @@ class Publisher:
             "publisher started",
             checkpoint_dir=str(self.checkpoint_dir),
             weights_dir=str(self.weights_dir),
+            store=self.store.label,
             tp=self.cfg.tp,
             layout=self.cfg.layout,
             per_rank_files=self.cfg.per_rank_files,
@@ -253,11 +271,12 @@ class Publisher:
                 f"publisher.tp={self.cfg.tp}{placement} cannot serve the model of "
                 f"{snapshot.path}: {exc}"
             ) from None
+        self.upload(version, published)
         outcome, lag = self.register(version, snapshot, published)
         if outcome != REGISTERED:
             why = "already handled" if outcome == ALREADY_HANDLED else "lost the publisher lock"
             log.warning("version not registered; removing it", version=version, reason=why)
-            remove_dir(published.path)
+            self.remove_version(version_dir_name(version))
             return
         seconds = time.perf_counter() - start
         manifest = published.manifest
@@ -284,6 +303,31 @@ class Publisher:
             delta_bytes=manifest.delta.bytes if manifest.delta else 0,
             no_delta=published.no_delta,
         )
+
+    def upload(self, version: int, published: Published) -> None:
+        """Put the version in the store (nothing to do when the store is the weights
+        directory). On failure the version is removed, here and there, and the snapshot is
+        published again at the next round."""
+        if isinstance(self.store, DirectoryStore):
+            return
+        start = time.perf_counter()
+        name = version_dir_name(version)
+        try:
+            self.store.upload_version(name, published.path)
+        except BaseException:
+            remove_dir(published.path)
+            with contextlib.suppress(WeightcastError):
+                self.store.remove_version(name)
+            raise
+        seconds = time.perf_counter() - start
+        self.metrics.upload_seconds.observe(seconds)
+        log.info("uploaded version", version=version, store=self.store.label, seconds=seconds)
+
+    def remove_version(self, name: str) -> None:
+        """Remove a version from the store and from the weights directory (evicted, or never
+        registered)."""
+        self.store.remove_version(name)
+        remove_dir(self.weights_dir / name)
 
     def register(self, version: int, snapshot: Snapshot, published: Published) -> tuple[int, float]:
         """Register the whole version directory, riding out a Redis outage; (outcome, lag).
@@ -407,6 +451,13 @@ class Publisher:
             if version is not None and version not in live:
                 remove_dir(entry)
                 removed.append(entry.name)
+        if not isinstance(self.store, DirectoryStore):
+            for name in self.store.version_names():
+                if dir_version(name) not in live:
+                    self.store.remove_version(name)
+                    removed.append(f"{self.store.label}{name}")
+            if unfinished := self.store.remove_unfinished():
+                removed.append(f"{unfinished} unfinished uploads")
         if removed:
             log.info("removed leftovers of an earlier run", entries=",".join(sorted(removed)))
 
@@ -436,6 +487,15 @@ class Publisher:
         self.outage.recovered()
         self.disk.reset()
         self.last_error = ""
+
+    def _store_failed(self, exc: StoreUnavailable | StoreFull) -> float:
+        """Count a store failure (down past store_retry_seconds, or full); the back-off."""
+        kind = "store_full" if isinstance(exc, StoreFull) else "store"
+        self.metrics.errors.labels(kind).inc()
+        delay = self.disk.next()
+        self.last_error = f"{kind}: {exc}"
+        log.error("object store error; retrying", error=str(exc), retry_in=delay)
+        return delay
 
     def _disk_failed(self, exc: OSError) -> float:
         """Count a filesystem failure; the back-off before the next try."""

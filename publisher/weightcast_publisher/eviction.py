@@ -2,18 +2,17 @@
 
 The lease protocol's eviction script (:meth:`weightcast.contract.leases.Leases.evict`) drops
 expired leases, refuses while any lease is live, and otherwise removes the version from
-Redis and announces it; only then is the directory renamed out of the namespace and
-deleted. A reader that took its lease first keeps every file it needs.
+Redis and announces it; only then are its files removed (from the store, and the publisher's
+weights directory). A reader that took its lease first keeps every file it needs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 
-from weightcast.contract.durable import remove_dir
 from weightcast.contract.keys import Keys
 from weightcast.contract.leases import Leases
 from weightcast.contract.version_info import version_dir_name
@@ -26,10 +25,13 @@ class EvictionResult:
 
 
 class Evictor:
-    def __init__(self, client: redis.Redis, keys: Keys, weights_dir: Path, keep: int) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, remove: Callable[[str], None], keep: int
+    ) -> None:
         self.client = client
         self.keys = keys
-        self.weights_dir = weights_dir
+        self.remove = remove
+        """Removes a version's files, given its directory name."""
         self.keep = keep
         self.leases = Leases(client, keys)
 
@@ -47,5 +49,5 @@ class Evictor:
     def evict(self, version: int) -> bool:
         if not self.leases.evict(version):
             return False
-        remove_dir(self.weights_dir / version_dir_name(version))
+        self.remove(version_dir_name(version))
         return True

@@ -17,6 +17,12 @@ class PublisherMetrics:
             buckets=_SECONDS,
             registry=r,
         )
+        self.upload_seconds = Histogram(
+            "weightcast_upload_seconds",
+            "Upload of one version to the object store (weights_url), before its registration",
+            buckets=_SECONDS,
+            registry=r,
+        )
         self.lag_seconds = Histogram(
             "weightcast_publish_lag_seconds",
             "From the snapshot's creation to the version's registration",
@@ -43,7 +49,7 @@ class PublisherMetrics:
         )
         self.errors = Counter(
             "weightcast_publisher_errors",
-            "Failures the publisher retries (redis, disk)",
+            "Failures the publisher retries (redis, disk, store, store_full)",
             ["kind"],
             registry=r,
         )

@@ -52,7 +52,10 @@ class Deployment:
         redis_url: str,
         tp: int = 1,
         shape: ModelShape = SMALL_GQA,
+        store: dict[str, object] | None = None,
     ) -> None:
+        """``store``: the object-store settings (``weights_url``, ``s3_endpoint_url``...)
+        when versions go to a bucket rather than stay in ``root/weights``."""
         self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
         self.shape = shape
         settings = {
@@ -61,8 +64,12 @@ class Deployment:
             "checkpoint_dir": root / "checkpoints",
             "weights_dir": root / "weights",
             "publisher.tp": tp,
+            **(store or {}),
         }
-        self.publisher = Publisher(load_config(env={}, overrides=settings))
+        config = load_config(env={}, overrides=settings)
+        self.location = config.common.weights_location()
+        """Where nodes read the versions: the weights directory, or the bucket's URL."""
+        self.publisher = Publisher(config)
         self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
         self.step = 0
 
@@ -76,7 +83,7 @@ class Deployment:
     def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
         return WeightsClient(
             self.redis_url,
-            self.root / "weights",
+            self.location,
             namespace=self.keys.namespace,
             node_id=node_id,
             lease_seconds=lease_seconds,

@@ -14,13 +14,13 @@ import pytest
 import redis
 import torch
 
-from weightcast.client.confine import OpenFile
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import BLOCK_BYTES, Manifest, digest_bytes
 from weightcast.contract.model_shape import ModelShape
 from weightcast.local.redis_server import RedisServer
+from weightcast.store.directory import OpenFile
 from weightcast_publisher.safetensors_writer import BUFFER_BYTES
 
 from helpers.models import SMALL_GQA, rank_part, shape_of

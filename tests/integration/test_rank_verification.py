@@ -21,13 +21,13 @@ import torch
 
 from weightcast.client import block_reads
 from weightcast.client import reader as reader_module
-from weightcast.client.confine import OpenFile
 from weightcast.client.reader import VersionReader
 from weightcast.client.verified import LOCK_NAME, NodeRecord, RecordKey
 from weightcast.contract.errors import ConfigError, WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import DEFAULT_DIGEST
 from weightcast.local.redis_server import RedisServer
+from weightcast.store.directory import OpenFile
 
 from helpers.files import REPO
 from helpers.models import SMALL_GQA, hf_state

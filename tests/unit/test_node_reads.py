@@ -13,7 +13,6 @@ import redis
 import torch
 
 from weightcast.client.block_reads import Rect, copy_rect
-from weightcast.client.confine import registered_parts
 from weightcast.client.reader import Want, _part
 from weightcast.contract.errors import RedisFull, WeightsError
 from weightcast.contract.manifest import TensorEntry
@@ -21,6 +20,7 @@ from weightcast.contract.sharding import RankSlice, Shard, ShardKind
 from weightcast.contract.tensorfile import TensorSpan
 from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.retry import Outage, redis_full
+from weightcast.store.directory import registered_parts
 
 ROOT = Path("/data/weights")
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from weightcast.client.confine import FileIdentity
 from weightcast.client.verified import NodeRecord, RecordKey, Verified
+from weightcast.store.base import Identity
 
 KEY = RecordKey(1, "0" * 64)
-IDENTITY = FileIdentity(1, 2, 3, 4, 5)
+IDENTITY: Identity = ("file", 1, 2, 3, 4, 5)
 FILE = "model.safetensors"
 
 

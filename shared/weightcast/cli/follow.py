@@ -35,7 +35,7 @@ def run_follow(config: Config) -> int:
         raise ConfigError("--vllm-url and --rollout exclude each other: choose one node kind")
     client = WeightsClient(
         config.common.redis_url,
-        config.common.weights_dir,
+        config.common.weights_location(),
         namespace=config.common.namespace,
         node_id=cfg.node_id,
         lease_seconds=cfg.lease_seconds,
@@ -60,7 +60,7 @@ def run_follow(config: Config) -> int:
     log.info(
         "following",
         node_id=client.node_id,
-        weights_dir=str(client.files.root),
+        weights=client.files.store.label,
         vllm_url=cfg.vllm_url or None,
         healthz=server.port if server else "off",
     )

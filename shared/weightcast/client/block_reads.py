@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from weightcast.client.confine import OpenFile
 from weightcast.client.verified import Verified
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import BLOCK_BYTES, FileEntry, new_hasher
@@ -40,6 +39,7 @@ from weightcast.contract.tensorfile import (
     header_length,
     parse_header,
 )
+from weightcast.store.base import StoredFile
 
 WINDOW_BYTES = 64 * 1024 * 1024
 """Bytes read per window at most (whole blocks; at least one block)."""
@@ -134,7 +134,7 @@ class Check:
         self.verified = Verified()
 
     def read(
-        self, f: OpenFile, blocks: Iterable[int], direct: Sequence[tuple[int, memoryview]] = ()
+        self, f: StoredFile, blocks: Iterable[int], direct: Sequence[tuple[int, memoryview]] = ()
     ) -> Iterator[Window]:
         """The given blocks, window by window, each verified before the caller sees it.
         ``direct`` (file offset, destination), sorted and disjoint: bytes to read straight
@@ -260,7 +260,7 @@ def checker(entry: FileEntry, known: Verified, label: str) -> Check:
     return BlockCheck(entry, known, label)
 
 
-def read_header(f: OpenFile, check: Check) -> dict[str, TensorSpan]:
+def read_header(f: StoredFile, check: Check) -> dict[str, TensorSpan]:
     """The file's tensors by name, from its header (:mod:`weightcast.contract.tensorfile`'s
     checks; a WeightsError naming the file). With block digests the header's blocks are
     verified before it is parsed; a format-1 file's header can only be verified with the
@@ -276,7 +276,7 @@ def read_header(f: OpenFile, check: Check) -> dict[str, TensorSpan]:
     return {span.name: span for span in header.tensors}
 
 
-def _extend_head(f: OpenFile, check: Check, head: bytearray, stop: int) -> None:
+def _extend_head(f: StoredFile, check: Check, head: bytearray, stop: int) -> None:
     """Extend ``head``, the file's first bytes, to at least ``stop`` bytes (whole verified
     blocks when the file has block digests)."""
     if len(head) >= stop:
@@ -312,7 +312,7 @@ def _pieces(
 
 
 def _read_windows(
-    f: OpenFile, windows: list[tuple[int, int]], direct: Sequence[tuple[int, memoryview]]
+    f: StoredFile, windows: list[tuple[int, int]], direct: Sequence[tuple[int, memoryview]]
 ) -> Iterator[Window]:
     """Each window read (by a thread, ahead of the caller); its scratch buffer is reused
     once the caller asks for the next window."""

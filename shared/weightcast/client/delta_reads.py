@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from weightcast.client.block_reads import tensor_bytes
-from weightcast.client.confine import OpenFile
 from weightcast.contract.delta import Delta, DeltaError, apply_block, decompressor, frame_bound
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import FileEntry, Manifest, digest_bytes
+from weightcast.store.base import StoredFile
 
 WORKERS = 2
 """Jobs run at once (zstd, numpy and xxhash release the GIL)."""
@@ -170,7 +170,10 @@ class DeltaApply:
     changes them back (XOR is its own inverse), from the frames already read."""
 
     def __init__(
-        self, delta: Delta, frames: OpenFile, files: Iterable[tuple[FileEntry, FileEntry, HeldFile]]
+        self,
+        delta: Delta,
+        frames: StoredFile,
+        files: Iterable[tuple[FileEntry, FileEntry, HeldFile]],
     ) -> None:
         self.frames = frames
         self.files: list[_FileFrames] = []

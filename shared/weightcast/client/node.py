@@ -4,7 +4,9 @@
 :class:`~weightcast.client.weights.WeightsClient` and releases the lease; :meth:`Node.report`
 records in ``{wc}:nodes`` the version it serves. A version that must not be loaded (any
 :class:`WeightsError`: a bad path, manifest, config, header or digest) is logged and skipped;
-Redis errors are left to the caller, which retries (the version is then tried again). What
+Redis errors are left to the caller, which retries (the version is then tried again); an
+object store that stays unavailable (:class:`StoreUnavailable`) leaves the node on the version
+it holds, and the version is tried again at the next step. What
 the node does with the tensors (a transformers model, a vLLM engine) is the caller's business.
 """
 
@@ -18,7 +20,7 @@ from typing import Any, Protocol
 import torch
 
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.errors import VersionGone, WeightsError
+from weightcast.contract.errors import StoreUnavailable, VersionGone, WeightsError
 from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
 
@@ -110,6 +112,14 @@ class Node:
         except WeightsError as exc:
             log.error("refusing version", version=version, reason=str(exc))
             self.seen = version
+            return None
+        except StoreUnavailable as exc:
+            log.warning(
+                "the object store is unavailable; serving the version held, trying again",
+                version=version,
+                held=self.current,
+                reason=str(exc),
+            )
             return None
         self.current = self.seen = version
         self.reported_at = None

@@ -4,7 +4,7 @@
 :class:`~weightcast.contract.version_info.VersionInfo` (from a lease) and it
 
 1. opens the version directory and every file without following symlinks, plain names only
-   (:mod:`weightcast.client.confine`);
+   (:mod:`weightcast.store.directory`);
 2. checks ``manifest.json`` against the registry's SHA-256 before parsing it, and that every
    tensor names a plain file the manifest lists (``hf/`` files are never opened);
 3. plans the byte ranges the caller needs (a tensor-parallel rank: its rows of fused,
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,12 +44,6 @@ from typing import Any
 import torch
 
 from weightcast.client.block_reads import Rect, checker, copy_rect, read_header, tensor_bytes
-from weightcast.client.confine import (
-    OpenFile,
-    VersionDir,
-    plain_name,
-    registered_parts,
-)
 from weightcast.client.delta_reads import DeltaApply, HeldBase, HeldFile, delta_refusal
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
 from weightcast.contract.delta import Delta, DeltaError
@@ -76,6 +69,9 @@ from weightcast.contract.tensorfile import (
 )
 from weightcast.contract.untrusted import json_object
 from weightcast.contract.version_info import VersionInfo
+from weightcast.store.base import Store, StoredFile, StoredVersion
+from weightcast.store.directory import DirectoryStore, plain_name
+from weightcast.store.factory import open_store
 
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
@@ -143,7 +139,8 @@ def whole_wants(manifest: Manifest) -> list[Want]:
 
 
 class VersionReader:
-    """Verified reads of published versions under ``weights_root`` (see the module doc).
+    """Verified reads of published versions in ``weights_root``, a directory, an ``s3://``
+    URL or a :class:`~weightcast.store.base.Store` (see the module doc).
 
     ``verified_dir``: a node-local directory shared by this node's reader processes (its
     vLLM workers) so that each block is verified once per node and version; None keeps the
@@ -152,13 +149,11 @@ class VersionReader:
 
     def __init__(
         self,
-        weights_root: Path | str,
+        weights_root: Path | str | Store,
         verified_dir: Path | str | None = None,
         keep_base: bool = False,
     ) -> None:
-        given = Path(os.path.normpath(Path(weights_root).absolute()))
-        self.root = given.resolve()
-        self.root_as_given = given
+        self.store = open_store(weights_root)
         self.record = ProcessRecord() if verified_dir is None else NodeRecord(verified_dir)
         self.stats = ReadStats()
         """What the last read to finish did."""
@@ -167,8 +162,15 @@ class VersionReader:
         """The verified blocks of the last version read (``keep_base``): a delta's base."""
 
     def path(self, info: VersionInfo) -> Path:
-        """Where the version is on this node (inside the weights root, or a WeightsError)."""
-        return self.root.joinpath(*registered_parts(info.path, self.root, self.root_as_given))
+        """Where the version is on this node's filesystem (inside the weights root, or a
+        WeightsError); only for a directory store."""
+        if not isinstance(self.store, DirectoryStore):
+            raise WeightsError(f"{self.store.label} is no directory; versions have no path here")
+        return self.store.path(info.path)
+
+    def close(self) -> None:
+        """Release the store's connections."""
+        self.store.close()
 
     def manifest(self, info: VersionInfo) -> Manifest:
         """The manifest, checked against the registry's digest and for what a node opens."""
@@ -266,7 +268,7 @@ class VersionReader:
 
     def _read_delta(
         self,
-        directory: VersionDir,
+        directory: StoredVersion,
         manifest: Manifest,
         by_file: dict[str, list[Want]],
         stats: ReadStats,
@@ -307,22 +309,21 @@ class VersionReader:
         return tensors
 
     @contextmanager
-    def _open(self, info: VersionInfo) -> Iterator[VersionDir]:
-        """The version directory, open while the caller reads it. Running out of memory on
+    def _open(self, info: VersionInfo) -> Iterator[StoredVersion]:
+        """The version's files, open while the caller reads them. Running out of memory on
         what the version's files or entry hold is the version's refusal (a WeightsError that
         a node logs before it waits for the next version), not a crash."""
-        parts = registered_parts(info.path, self.root, self.root_as_given)
         try:
-            with VersionDir(self.root, parts) as directory:
+            with self.store.open_version(info.path) as directory:
                 yield directory
         except MemoryError:
             raise WeightsError(
-                f"{self.root.joinpath(*parts)}: reading version {info.version} needs more "
+                f"{self.store.label}/{info.path}: reading version {info.version} needs more "
                 "memory than this node has; refusing it (check the version's files, or give "
                 "the node more memory)"
             ) from None
 
-    def _manifest(self, directory: VersionDir, info: VersionInfo) -> Manifest:
+    def _manifest(self, directory: StoredVersion, info: VersionInfo) -> Manifest:
         label = f"{directory.label}/{MANIFEST_NAME}"
         data = directory.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
         if sha256_bytes(data) != info.manifest_sha256:
@@ -336,7 +337,7 @@ class VersionReader:
 
     def _read_file(
         self,
-        f: OpenFile,
+        f: StoredFile,
         key: RecordKey,
         entry: FileEntry,
         wants: Sequence[Want],
@@ -472,7 +473,7 @@ def _header_spans(
     return {span.name: span for span in header.tensors}
 
 
-def _delta_file(directory: VersionDir, manifest: Manifest, delta: Delta) -> OpenFile:
+def _delta_file(directory: StoredVersion, manifest: Manifest, delta: Delta) -> StoredFile:
     """The delta file, opened; one that is missing or not the size the manifest lists is a
     damaged delta (the node reads the full version), not a refused version."""
     try:

@@ -29,7 +29,6 @@ checked (owned by this user, not writable by others).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import os
@@ -42,10 +41,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightcast.client.confine import FileIdentity
 from weightcast.contract.errors import ConfigError
 from weightcast.contract.untrusted import json_object
 from weightcast.runtime.logs import get_logger
+from weightcast.store.base import Identity
 
 log = get_logger("verified")
 
@@ -82,18 +81,18 @@ class ProcessRecord:
     """The record of one process (no sharing): what this client verified itself."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[RecordKey, str], tuple[FileIdentity, Verified]] = {}
+        self._entries: dict[tuple[RecordKey, str], tuple[Identity, Verified]] = {}
         self._lock = threading.Lock()
 
-    def known(self, key: RecordKey, file: str, identity: FileIdentity) -> Verified:
+    def known(self, key: RecordKey, file: str, identity: Identity) -> Verified:
         with self._lock:
             return self._known(key, file, identity)
 
-    def add(self, key: RecordKey, file: str, identity: FileIdentity, verified: Verified) -> None:
+    def add(self, key: RecordKey, file: str, identity: Identity, verified: Verified) -> None:
         with self._lock:
             self._entries[(key, file)] = (identity, self._known(key, file, identity) | verified)
 
-    def _known(self, key: RecordKey, file: str, identity: FileIdentity) -> Verified:
+    def _known(self, key: RecordKey, file: str, identity: Identity) -> Verified:
         found = self._entries.get((key, file))
         return found[1] if found is not None and found[0] == identity else Verified()
 
@@ -120,10 +119,10 @@ class NodeRecord:
                 f"chmod 700 it or choose another"
             )
 
-    def known(self, key: RecordKey, file: str, identity: FileIdentity) -> Verified:
+    def known(self, key: RecordKey, file: str, identity: Identity) -> Verified:
         return _read_record(self.directory / key.dir_name / f"{file}.json", identity)
 
-    def add(self, key: RecordKey, file: str, identity: FileIdentity, verified: Verified) -> None:
+    def add(self, key: RecordKey, file: str, identity: Identity, verified: Verified) -> None:
         where = self.directory / key.dir_name
         try:
             created = not where.is_dir()
@@ -164,12 +163,12 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def _read_record(path: Path, identity: FileIdentity) -> Verified:
+def _read_record(path: Path, identity: Identity) -> Verified:
     """The record at ``path`` if it is for a file of ``identity``; empty otherwise."""
     try:
         with open(path, "rb") as f:
             raw = json_object(f.read(), str(path), ValueError)
-        if raw["identity"] != list(dataclasses.astuple(identity)):
+        if raw["identity"] != list(identity):
             return Verified()
         blocks = raw["blocks"]
         if not all(isinstance(b, int) and b >= 0 for b in blocks):
@@ -179,9 +178,9 @@ def _read_record(path: Path, identity: FileIdentity) -> Verified:
         return Verified()
 
 
-def _write_record(path: Path, identity: FileIdentity, verified: Verified) -> None:
+def _write_record(path: Path, identity: Identity, verified: Verified) -> None:
     body = {
-        "identity": list(dataclasses.astuple(identity)),
+        "identity": list(identity),
         "blocks": sorted(verified.blocks),
         "whole": verified.whole,
     }

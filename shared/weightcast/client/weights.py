@@ -167,6 +167,7 @@ class WeightsClient:
 
     def close(self) -> None:
         self.redis.close()
+        self.files.close()
 
     def _info(self, version: int | VersionInfo) -> VersionInfo:
         return version if isinstance(version, VersionInfo) else self.info(version)

@@ -60,3 +60,18 @@ class RedisFull(WeightcastError):
 class RedisGroupExists(WeightcastError):
     """Redis' ``BUSYGROUP``: the consumer group exists already. Never raised: whoever creates
     the group second has nothing to do (:func:`~weightcast.contract.streams.ensure_group`)."""
+
+
+class StoreUnavailable(WeightcastError, ConnectionError):
+    """The object store did not answer (connection refused, timeouts, throttling, 5xx) for
+    longer than the process was told to wait for it. An outage: the caller tries again later."""
+
+
+class StoreAccessDenied(ConfigError):
+    """The object store refused this client: no such bucket, a refused credential, a 403. A
+    mistake, not an outage: never retried."""
+
+
+class StoreFull(WeightcastError):
+    """The object store refuses writes: a bucket quota or a full server. Retried like a full
+    disk."""

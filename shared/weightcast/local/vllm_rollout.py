@@ -150,7 +150,7 @@ class VllmPolicies:
             {
                 "redis_url": self.config.common.redis_url,
                 "namespace": self.config.common.namespace,
-                "weights_root": str(self.node.client.files.root),
+                "weights_root": self.config.common.weights_location(),
                 "node_id": self.node.client.node_id,
             }
         )

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 from weightcast.contract.keys import NAMESPACE_PATTERN
 from weightcast.contract.layout import LAYOUTS
@@ -43,6 +44,8 @@ ROLLOUT_ENGINES = ("transformers", "vllm")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 REDIS_URL = re.compile(r"^(redis|rediss|unix)://")
+S3_URL = re.compile(r"^(|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^?#@]*)?)$")
+HTTP_URL = re.compile(r"^(|https?://[^\s@]+)$")
 LOSS = re.compile(r"^(grpo|sft|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 CHECKPOINT_DIR = Path("checkpoints")
 WEIGHTS_DIR = Path("weights")
@@ -134,6 +137,46 @@ class CommonConfig:
         flag="--weights-dir",
         commands=("trainer", "publisher", "produce", "follow", "status"),
     )
+    weights_url: str = setting(
+        "",
+        "an s3://bucket/prefix URL: versions live in that bucket (any S3-compatible server), "
+        "weights_dir stays the publisher's local copy and nodes need no view of it; empty: "
+        "versions live in weights_dir. Credentials come from the AWS environment or profile",
+        flag="--weights-url",
+        commands=("publisher", "follow"),
+        pattern=S3_URL,
+        pattern_text="empty, or an s3://bucket/prefix URL (no credentials, no query)",
+    )
+    s3_endpoint_url: str = setting(
+        "",
+        "the S3-compatible server of weights_url (http://host:port); empty: AWS, or "
+        "AWS_ENDPOINT_URL",
+        flag="--s3-endpoint-url",
+        commands=("publisher", "follow"),
+        pattern=HTTP_URL,
+        pattern_text="empty, or an http:// or https:// URL",
+    )
+    s3_region: str = setting(
+        "",
+        "the region of weights_url's bucket; empty: AWS_REGION or the AWS profile's",
+        flag="--s3-region",
+        commands=("publisher", "follow"),
+    )
+    s3_addressing_style: str = setting(
+        "auto",
+        "how requests name the bucket: path (most S3-compatible servers), virtual, or auto",
+        flag="--s3-addressing-style",
+        commands=("publisher", "follow"),
+        choices=("auto", "path", "virtual"),
+    )
+    store_retry_seconds: float = setting(
+        60.0,
+        "how long one call to the object store is retried through throttling, 5xx answers "
+        "and lost connections (capped exponential back-off) before it counts as an outage",
+        flag="--store-retry-seconds",
+        commands=("publisher", "follow"),
+        ge=1,
+    )
     redis_retry_seconds: float = setting(
         300.0,
         "how long a process rides out an unreachable Redis (retrying with capped exponential "
@@ -143,6 +186,21 @@ class CommonConfig:
     )
     log_format: str = setting("text", "log line format", flag="--log-format", choices=LOG_FORMATS)
     log_level: str = setting("INFO", "lowest level logged", flag="--log-level", choices=LOG_LEVELS)
+
+    def weights_location(self) -> str:
+        """Where nodes read versions: ``weights_url`` with the S3 settings as its options
+        (one string a node hands its other processes), or ``weights_dir``."""
+        if not self.weights_url:
+            return str(self.weights_dir)
+        options = {
+            "endpoint_url": self.s3_endpoint_url,
+            "region": self.s3_region,
+            "addressing_style": ""
+            if self.s3_addressing_style == "auto"
+            else self.s3_addressing_style,
+        }
+        query = urlencode({k: v for k, v in options.items() if v})
+        return f"{self.weights_url}?{query}" if query else self.weights_url
 
 
 @dataclass

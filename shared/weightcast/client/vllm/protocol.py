@@ -89,7 +89,8 @@ class Source:
 
     redis_url: str
     namespace: str
-    weights_root: Path
+    weights_root: str
+    """A weights directory, or an ``s3://`` URL with its options."""
     node_id: str
     verified_dir: Path
 
@@ -113,7 +114,7 @@ def resolve(update: UpdateInfo, init: InitInfo, config: Config) -> Source:
     return Source(
         redis_url=pick("redis_url", config.common.redis_url),
         namespace=pick("namespace", config.common.namespace),
-        weights_root=Path(pick("weights_root", str(config.common.weights_dir))),
+        weights_root=pick("weights_root", config.common.weights_location()),
         node_id=pick("node_id", config.follow.node_id or default_node_id()),
         verified_dir=Path(pick("verified_dir", str(default_verified_dir()))),
     )

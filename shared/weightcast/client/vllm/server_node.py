@@ -18,6 +18,7 @@ from typing import Any
 from weightcast.client.vllm.engine import EngineError, ServerUnavailable, VersionRefused, swap
 from weightcast.client.vllm.server import VllmServer
 from weightcast.client.weights import VersionGone, WeightsClient
+from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 
@@ -179,11 +180,19 @@ def server_node(config: Config, client: WeightsClient) -> ServerNode:
     Redis outages around :meth:`ServerNode.step`)."""
     cfg = config.follow
     server = VllmServer(cfg.vllm_url, cfg.vllm_timeout_seconds, cfg.vllm_pause_mode)
-    weights_root = cfg.vllm_weights_dir or str(config.common.weights_dir)
+    if cfg.vllm_weights_dir and config.common.weights_url:
+        raise ConfigError(
+            "follow.vllm_weights_dir has no effect with weights_url: the server's workers read "
+            "the bucket; drop one of them"
+        )
+    if config.common.weights_url:
+        weights_root = config.common.weights_location()
+    else:
+        weights_root = str(Path(cfg.vllm_weights_dir or config.common.weights_dir).absolute())
     init_info = {
         "redis_url": config.common.redis_url,
         "namespace": config.common.namespace,
-        "weights_root": str(Path(weights_root).absolute()),
+        "weights_root": weights_root,
         "node_id": client.node_id,
     }
     return ServerNode(server, client, init_info, report_every=cfg.poll_seconds)

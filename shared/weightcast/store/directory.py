@@ -1,4 +1,6 @@
-"""Open only what a node may read: plain names inside the weights root, never via a symlink.
+"""The directory transport: versions in a directory every node mounts.
+
+Open only what a node may read: plain names inside the weights root, never via a symlink.
 
 The registry names a version directory (``v17``, or an absolute path from older publishers)
 and its manifest names files. Both come from outside the node, so neither is trusted as a
@@ -16,11 +18,13 @@ import errno
 import os
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
+from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import WeightsError
+from weightcast.contract.version_info import dir_version
+from weightcast.store.base import Identity, Store
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -64,19 +68,9 @@ def registered_parts(path: str, root: Path, root_as_given: Path) -> tuple[str, .
     return parts
 
 
-@dataclass(frozen=True)
-class FileIdentity:
+def file_identity(info: os.stat_result) -> Identity:
     """What ``fstat`` says about an open file; a changed file has a different identity."""
-
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, info: os.stat_result) -> FileIdentity:
-        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    return ("file", info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
 
 
 class _Descriptor:
@@ -97,14 +91,11 @@ class _Descriptor:
 class OpenFile(_Descriptor):
     """A regular file opened inside a version directory."""
 
-    def __init__(self, fd: int, label: str, identity: FileIdentity) -> None:
+    def __init__(self, fd: int, label: str, info: os.stat_result) -> None:
         self.fd = fd
         self.label = label
-        self.identity = identity
-
-    @property
-    def size(self) -> int:
-        return self.identity.size
+        self.identity = file_identity(info)
+        self.size = info.st_size
 
     def read_at(self, offset: int, length: int) -> bytes:
         """Exactly ``length`` bytes at ``offset``."""
@@ -164,7 +155,7 @@ class VersionDir(_Descriptor):
         except BaseException:
             os.close(fd)
             raise
-        return OpenFile(fd, label, FileIdentity.of(info))
+        return OpenFile(fd, label, info)
 
     def read_small(self, name: str, limit: int, expected_bytes: int | None = None) -> bytes:
         """All of a small file (a manifest, a config), refused above ``limit`` bytes before
@@ -193,3 +184,41 @@ def _is_symlink(name: str, dir_fd: int | None) -> bool:
         return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
     except OSError:
         return False
+
+
+class DirectoryStore(Store):
+    """Versions in a directory: the publisher's weights directory, as each node mounts it.
+
+    The publisher writes each version there itself, so uploading is nothing.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        given = Path(os.path.normpath(Path(root).absolute()))
+        self.root = given.resolve()
+        self.root_as_given = given
+        self.label = str(self.root)
+
+    def path(self, path: str) -> Path:
+        """Where the registry's ``path`` is on this node (inside the root, or a WeightsError)."""
+        return self.root.joinpath(*registered_parts(path, self.root, self.root_as_given))
+
+    def open_version(self, path: str) -> VersionDir:
+        return VersionDir(self.root, registered_parts(path, self.root, self.root_as_given))
+
+    def upload_version(self, name: str, local: Path) -> None:
+        if local.resolve() != self.root / name:
+            raise ValueError(
+                f"{local} is not {self.root / name}: a directory store is written in place"
+            )
+
+    def remove_version(self, name: str) -> None:
+        remove_dir(self.root / plain_name(name, "version directory"))
+
+    def version_names(self) -> list[str]:
+        return sorted(p.name for p in self.root.iterdir() if dir_version(p.name) is not None)
+
+    def remove_unfinished(self) -> int:
+        return 0  # the publisher sweeps its temp directories itself
+
+    def close(self) -> None:
+        """Nothing is held open between versions."""

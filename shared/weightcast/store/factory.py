@@ -1,0 +1,32 @@
+"""The store a location names: a directory, or an ``s3://`` URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from weightcast.contract.errors import ConfigError
+from weightcast.store.base import Store
+from weightcast.store.directory import DirectoryStore
+
+SCHEMES = ("s3",)
+"""The object stores weightcast reads and writes; any other ``scheme://`` is refused."""
+
+
+def open_store(location: str | Path | Store, retry_seconds: float = 60.0) -> Store:
+    """The store at ``location``: a store as it is, ``s3://bucket/prefix[?options]``
+    (:class:`~weightcast.store.s3.S3Store`), or a directory path."""
+    if isinstance(location, Store):
+        return location
+    text = str(location)
+    scheme, sep, _ = text.partition("://")
+    if not sep:
+        return DirectoryStore(location)
+    if scheme != "s3":
+        raise ConfigError(
+            f"weights location {scheme}://...: weightcast stores versions in a directory or "
+            f"in an S3-compatible bucket ({', '.join(s + '://' for s in SCHEMES)}); for GCS "
+            "or Azure use their S3-compatible endpoint with endpoint_url"
+        )
+    from weightcast.store.s3 import S3Location, S3Store  # boto3 only where S3 is used
+
+    return S3Store(S3Location.parse(text), retry_seconds=retry_seconds)

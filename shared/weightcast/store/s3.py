@@ -1,0 +1,428 @@
+"""The object-store transport: versions in an S3-compatible bucket, for nodes on any host.
+
+The store's root is ``s3://bucket/prefix``; version ``v17`` is the objects under
+``prefix/v17/``, one per file, so the registry's ``path`` means the same as in a directory.
+
+* The publisher uploads a version it has written locally (:meth:`S3Store.upload_version`):
+  each file as a multipart upload of :data:`PART_BYTES` parts sent in parallel, at most
+  ``concurrency`` parts in memory, the manifest last. It registers the version only after
+  that returns, so a node never finds a partial one; what a kill leaves (objects of an
+  unregistered version, unfinished multipart uploads) is removed at the next start.
+* A node reads only the byte ranges it needs (:meth:`S3Object.read_into`): ranged GETs of at
+  most :data:`PART_BYTES`, in parallel, each streamed straight into its destination, with
+  ``If-Match`` on the ETag seen when the file was opened, so an object replaced mid-read is
+  refused rather than mixed.
+
+Every call goes through :meth:`S3Store.call`: throttling, 5xx answers and lost connections
+are retried with capped exponential back-off (:class:`~weightcast.runtime.retry.Backoff`) for
+``retry_seconds``, then raise :class:`StoreUnavailable`; a refused credential, a missing
+bucket or a 403 raises :class:`StoreAccessDenied` at once (:mod:`weightcast.store.s3_replies`).
+Credentials come from boto3's standard chain (environment, profile, instance role) and never
+appear in a log, a message or Redis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Self, TypeVar
+from urllib.parse import parse_qsl, urlsplit
+
+import boto3
+from botocore.config import Config as BotoConfig
+
+from weightcast.contract.errors import ConfigError, StoreUnavailable, WeightcastError, WeightsError
+from weightcast.contract.manifest import MANIFEST_NAME
+from weightcast.contract.version_info import dir_version
+from weightcast.runtime.logs import get_logger
+from weightcast.runtime.retry import Backoff
+from weightcast.store.base import Identity, Store
+from weightcast.store.directory import plain_name
+from weightcast.store.s3_replies import store_error
+
+T = TypeVar("T")
+log = get_logger("store")
+
+PART_BYTES = 16 * 1024 * 1024
+"""Bytes per multipart part and per ranged GET at most."""
+ADDRESSING_STYLES = ("auto", "path", "virtual")
+URL_OPTIONS = ("endpoint_url", "region", "addressing_style")
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """An ``s3://bucket/prefix`` URL, with the options an S3-compatible server needs as query
+    parameters (``?endpoint_url=http://host:port&region=...&addressing_style=path``), so one
+    string names the store for every process of a node. Never credentials."""
+
+    bucket: str
+    prefix: str
+    endpoint_url: str = ""
+    region: str = ""
+    addressing_style: str = "auto"
+
+    @classmethod
+    def parse(cls, url: str) -> S3Location:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.hostname:
+            raise ConfigError(f"{url!r} is not an s3://bucket/prefix URL")
+        if parts.username or parts.password or "@" in parts.netloc:
+            raise ConfigError(
+                "the weights URL carries credentials; give them through the AWS environment "
+                "or profile (AWS_ACCESS_KEY_ID, AWS_PROFILE), never in the URL"
+            )
+        options = dict(parse_qsl(parts.query, keep_blank_values=True))
+        unknown = sorted(set(options) - set(URL_OPTIONS))
+        if unknown:
+            raise ConfigError(
+                f"the weights URL has unknown options {unknown}; it takes {list(URL_OPTIONS)}"
+            )
+        style = options.get("addressing_style") or "auto"
+        if style not in ADDRESSING_STYLES:
+            raise ConfigError(f"addressing_style {style!r}: use one of {list(ADDRESSING_STYLES)}")
+        prefix = parts.path.strip("/")
+        for part in prefix.split("/") if prefix else ():
+            if part in ("", ".", ".."):
+                raise ConfigError(f"the weights URL's prefix {parts.path!r} is not plain names")
+        return cls(
+            parts.netloc,
+            f"{prefix}/" if prefix else "",
+            options.get("endpoint_url", ""),
+            options.get("region", ""),
+            style,
+        )
+
+    @property
+    def label(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+
+class S3Store(Store):
+    """Versions in ``s3://bucket/prefix`` (see the module doc)."""
+
+    def __init__(self, location: S3Location, concurrency: int = 16, retry_seconds: float = 60.0):
+        self.location = location
+        self.label = location.label
+        self.bucket = location.bucket
+        self.prefix = location.prefix
+        self.retry_seconds = retry_seconds
+        self.concurrency = concurrency
+        config = BotoConfig(
+            retries={"total_max_attempts": 1},  # retried here, with the project's back-off
+            max_pool_connections=concurrency + 4,
+            connect_timeout=5,
+            read_timeout=60,
+            s3={"addressing_style": location.addressing_style},
+        )
+        session = boto3.session.Session()
+        self.client: Any = session.client(
+            "s3",
+            endpoint_url=location.endpoint_url or None,
+            region_name=location.region or None,
+            config=config,
+        )
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="weightcast-s3")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+    def call(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()``, retried through an outage of the store (see the module doc)."""
+        backoff = Backoff(0.2, 5.0)
+        since = time.monotonic()
+        while True:
+            try:
+                return fn()
+            except WeightcastError:
+                raise
+            except Exception as exc:
+                error = store_error(exc, f"{self.label}: {what}")
+                if error is None:
+                    raise
+                waited = time.monotonic() - since
+                if not isinstance(error, StoreUnavailable) or waited >= self.retry_seconds:
+                    raise error from None
+                pause = min(backoff.next(), self.retry_seconds - waited)
+                log.warning(
+                    "object store unavailable; retrying", what=what, retry_in=round(pause, 2)
+                )
+                time.sleep(pause)
+
+    def key(self, *names: str) -> str:
+        return self.prefix + "/".join(names)
+
+    # Nodes
+
+    def open_version(self, path: str) -> S3Version:
+        parts = path.split("/")
+        if path.startswith("/") or any(p in ("", ".", "..") or "\0" in p for p in parts):
+            raise WeightsError(
+                f"registered path {path!r} is not plain names below {self.label}; "
+                "refusing to read it"
+            )
+        return S3Version(self, parts)
+
+    # The publisher
+
+    def upload_version(self, name: str, local: Path) -> None:
+        plain_name(name, "version directory")
+        files = sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file())
+        files.sort(key=lambda p: p == Path(MANIFEST_NAME))  # last: the version is complete
+        for file in files:
+            names = [plain_name(part, "file") for part in file.parts]
+            self.upload_file(local / file, self.key(name, *names))
+
+    def upload_file(self, path: Path, key: str) -> None:
+        """One local file as the object ``key``: a plain PUT when it fits one part, else a
+        multipart upload with parts sent in parallel from ``concurrency`` buffers."""
+        size = path.stat().st_size
+        with open(path, "rb", buffering=0) as f:
+            if size <= PART_BYTES:
+                body = f.read()
+                self.call(
+                    f"uploading {key}",
+                    partial(self.client.put_object, Bucket=self.bucket, Key=key, Body=body),
+                )
+                return
+            upload = self.call(
+                f"starting the upload of {key}",
+                partial(self.client.create_multipart_upload, Bucket=self.bucket, Key=key),
+            )["UploadId"]
+            try:
+                parts = self._parts(f.fileno(), size, key, upload)
+                self.call(
+                    f"completing the upload of {key}",
+                    partial(
+                        self.client.complete_multipart_upload,
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload,
+                        MultipartUpload={"Parts": parts},
+                    ),
+                )
+            except BaseException:
+                with contextlib.suppress(WeightcastError):  # else removed at the next start
+                    self.call(
+                        f"aborting the upload of {key}",
+                        partial(
+                            self.client.abort_multipart_upload,
+                            Bucket=self.bucket,
+                            Key=key,
+                            UploadId=upload,
+                        ),
+                    )
+                raise
+
+    def _parts(self, fd: int, size: int, key: str, upload: str) -> list[dict[str, object]]:
+        slots = threading.Semaphore(self.concurrency)
+
+        def send(number: int, offset: int) -> dict[str, object]:
+            try:
+                body = os.pread(fd, min(PART_BYTES, size - offset), offset)
+                answer = self.call(
+                    f"uploading part {number} of {key}",
+                    partial(
+                        self.client.upload_part,
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload,
+                        PartNumber=number,
+                        Body=body,
+                    ),
+                )
+                return {"PartNumber": number, "ETag": answer["ETag"]}
+            finally:
+                slots.release()
+
+        futures = []
+        for number, offset in enumerate(range(0, size, PART_BYTES), start=1):
+            slots.acquire()
+            futures.append(self.pool.submit(send, number, offset))
+        return [future.result() for future in futures]
+
+    def remove_version(self, name: str) -> None:
+        prefix = self.key(plain_name(name, "version directory"), "")
+        for batch in _batches(self._keys(prefix), 1000):
+            objects = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
+            self.call(
+                f"removing {prefix}",
+                partial(self.client.delete_objects, Bucket=self.bucket, Delete=objects),
+            )
+
+    def version_names(self) -> list[str]:
+        # From the keys, not from a delimited listing: some servers (SeaweedFS) list a
+        # folder whose objects were all deleted as a common prefix still.
+        names = {key[len(self.prefix) :].split("/", 1)[0] for key in self._keys(self.prefix)}
+        return sorted(name for name in names if dir_version(name) is not None)
+
+    def remove_unfinished(self) -> int:
+        removed = 0
+        page = self.call(
+            "listing unfinished uploads",
+            partial(self.client.list_multipart_uploads, Bucket=self.bucket, Prefix=self.prefix),
+        )
+        for upload in page.get("Uploads", []):
+            self.call(
+                "aborting an unfinished upload",
+                partial(
+                    self.client.abort_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=upload["Key"],
+                    UploadId=upload["UploadId"],
+                ),
+            )
+            removed += 1
+        return removed
+
+    def _keys(self, prefix: str) -> Iterator[str]:
+        token: dict[str, str] = {}
+        while True:
+            page = self.call(
+                f"listing {prefix}",
+                partial(self.client.list_objects_v2, Bucket=self.bucket, Prefix=prefix, **token),
+            )
+            yield from (item["Key"] for item in page.get("Contents", []))
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+
+class S3Version:
+    """A version's objects; opening one asks its size and ETag (HEAD)."""
+
+    def __init__(self, store: S3Store, parts: Sequence[str]) -> None:
+        self.store = store
+        self.parts = tuple(parts)
+        self.label = f"s3://{store.bucket}/{store.key(*parts)}"
+
+    def open(self, name: str, expected_bytes: int | None = None) -> S3Object:
+        key = self.store.key(*self.parts, plain_name(name, "file"))
+        label = f"s3://{self.store.bucket}/{key}"
+        head = self.store.call(
+            f"opening {name}",
+            partial(self.store.client.head_object, Bucket=self.store.bucket, Key=key),
+        )
+        size = int(head["ContentLength"])
+        if expected_bytes is not None and size != expected_bytes:
+            raise WeightsError(f"{label}: {size} bytes, the manifest says {expected_bytes}")
+        identity = ("s3", str(head.get("ETag", "")), size, str(head.get("LastModified", "")))
+        return S3Object(self.store, key, label, size, identity)
+
+    def read_small(self, name: str, limit: int, expected_bytes: int | None = None) -> bytes:
+        with self.open(name, expected_bytes) as f:
+            if f.size > limit:
+                raise WeightsError(
+                    f"{f.label}: {f.size} bytes, more than the {limit} a {name} may have"
+                )
+            return f.read_at(0, f.size)
+
+    def close(self) -> None:
+        """Nothing is held open between requests."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class S3Object:
+    """One object of a version, read by ranged GETs of the ETag it had when opened."""
+
+    def __init__(self, store: S3Store, key: str, label: str, size: int, identity: Identity):
+        self.store = store
+        self.key = key
+        self.label = label
+        self.size = size
+        self.identity = identity
+        self.etag = str(identity[1])
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        data = bytearray(length)
+        self.read_into([memoryview(data)], offset)
+        return bytes(data)
+
+    def read_into(self, buffers: Sequence[memoryview], offset: int) -> None:
+        ranges = list(_ranges(buffers, offset))
+        if len(ranges) == 1:
+            self._get(*ranges[0])
+            return
+        for future in [self.store.pool.submit(self._get, *r) for r in ranges]:
+            future.result()
+
+    def _get(self, offset: int, views: list[memoryview]) -> None:
+        """Bytes ``[offset, offset + total)`` into ``views``, retried whole on an outage."""
+        total = sum(len(v) for v in views)
+        if offset + total > self.size:
+            raise WeightsError(f"{self.label}: ends at {self.size} bytes, before {offset + total}")
+
+        def get() -> None:
+            answer = self.store.client.get_object(
+                Bucket=self.store.bucket,
+                Key=self.key,
+                Range=f"bytes={offset}-{offset + total - 1}",
+                IfMatch=self.etag,
+            )
+            body = answer["Body"]
+            try:
+                length = int(answer.get("ContentLength", -1))
+                if length != total:
+                    raise WeightsError(
+                        f"{self.label}: asked for {total} bytes at {offset}, got {length}"
+                    )
+                raw = body._raw_stream  # urllib3's response: readinto without a copy
+                for view in views:
+                    got = 0
+                    while got < len(view):
+                        n = raw.readinto(view[got:])
+                        if not n:
+                            raise WeightsError(f"{self.label}: the store's answer ended early")
+                        got += n
+            finally:
+                body.close()
+
+        self.store.call(f"reading {self.label}", get)
+
+    def close(self) -> None:
+        """Nothing is held open between requests."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ranges(buffers: Sequence[memoryview], offset: int) -> Iterator[tuple[int, list[memoryview]]]:
+    """``buffers`` (consecutive from ``offset``) cut into GETs of at most PART_BYTES."""
+    at, views, size = offset, [], 0
+    for buffer in buffers:
+        buffer = buffer.cast("B") if buffer.format != "B" or buffer.ndim != 1 else buffer
+        while len(buffer):
+            take = min(len(buffer), PART_BYTES - size)
+            views.append(buffer[:take])
+            buffer, size = buffer[take:], size + take
+            if size == PART_BYTES:
+                yield at, views
+                at, views, size = at + size, [], 0
+    if size:
+        yield at, views
+
+
+def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
+    batch: list[str] = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -1,0 +1,113 @@
+"""An S3 server's answers read once, by code, into weightcast's error types.
+
+botocore raises :class:`~botocore.exceptions.ClientError` for every answer the server gave
+(its ``Error.Code`` and HTTP status) and its own exception classes for answers that never
+came. :func:`store_error` maps both, in one table each, to what the caller does next:
+retry (:class:`StoreUnavailable`), stop with one line (:class:`StoreAccessDenied`), wait for
+room (:class:`StoreFull`) or refuse the version (:class:`WeightsError`).
+"""
+
+from __future__ import annotations
+
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+from urllib3.exceptions import HTTPError, ProtocolError
+
+from weightcast.contract.errors import (
+    StoreAccessDenied,
+    StoreFull,
+    StoreUnavailable,
+    WeightcastError,
+    WeightsError,
+)
+
+S3_REPLIES: dict[str, type[WeightcastError]] = {
+    "AccessDenied": StoreAccessDenied,
+    "AllAccessDisabled": StoreAccessDenied,
+    "AuthorizationHeaderMalformed": StoreAccessDenied,
+    "ExpiredToken": StoreAccessDenied,
+    "InvalidAccessKeyId": StoreAccessDenied,
+    "InvalidBucketName": StoreAccessDenied,
+    "InvalidToken": StoreAccessDenied,
+    "NoSuchBucket": StoreAccessDenied,
+    "SignatureDoesNotMatch": StoreAccessDenied,
+    "EntityTooLarge": StoreFull,
+    "QuotaExceeded": StoreFull,
+    "XMinioStorageFull": StoreFull,
+    "InternalError": StoreUnavailable,
+    "RequestTimeout": StoreUnavailable,
+    "ServiceUnavailable": StoreUnavailable,
+    "SlowDown": StoreUnavailable,
+    "Throttling": StoreUnavailable,
+    "ThrottlingException": StoreUnavailable,
+    "NoSuchKey": WeightsError,
+    "NoSuchUpload": WeightsError,
+    "NotFound": WeightsError,
+    "PreconditionFailed": WeightsError,
+    "InvalidRange": WeightsError,
+}
+"""S3 error codes (the ``Error.Code`` of the answer) and the type each becomes."""
+
+HTTP_STATUSES: dict[int, type[WeightcastError]] = {
+    403: StoreAccessDenied,
+    404: WeightsError,
+    412: WeightsError,
+    416: WeightsError,
+    429: StoreUnavailable,
+    507: StoreFull,
+}
+"""For answers whose code is not in :data:`S3_REPLIES` (a HEAD's answer has no body): the
+HTTP status. Any other 5xx is an outage."""
+
+NO_ANSWER = (
+    ConnectionClosedError,
+    ConnectTimeoutError,
+    EndpointConnectionError,
+    IncompleteReadError,
+    ReadTimeoutError,
+    ResponseStreamingError,
+    ProtocolError,
+    HTTPError,
+    ConnectionError,
+    TimeoutError,
+)
+"""What botocore and urllib3 raise when the server did not answer, or stopped mid-answer."""
+
+WHAT_NEXT: dict[type[WeightcastError], str] = {
+    StoreAccessDenied: "check the bucket name and the credentials (AWS_ACCESS_KEY_ID, "
+    "AWS_PROFILE, ~/.aws) this process uses",
+    StoreFull: "free room in the bucket or raise its quota",
+    StoreUnavailable: "check that the S3 server is running and reachable",
+    WeightsError: "the object is missing, changed or not what the manifest says",
+}
+
+
+def store_error(exc: BaseException, what: str) -> WeightcastError | None:
+    """``exc`` as the error weightcast raises for it, its message saying ``what`` was being
+    done and what to do next; None for an exception that is no answer of the store's."""
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+        kind = S3_REPLIES.get(code) or HTTP_STATUSES.get(status)
+        if kind is None and status >= 500:
+            kind = StoreUnavailable
+        if kind is None:
+            kind = WeightsError
+        detail = f"{code or status}: {error.get('Message', '') or 'no message'}"
+    elif isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
+        kind, detail = StoreAccessDenied, str(exc)
+    elif isinstance(exc, NO_ANSWER):
+        kind, detail = StoreUnavailable, f"{type(exc).__name__}: {exc}"
+    else:
+        return None
+    return kind(f"{what}: {detail}; {WHAT_NEXT[kind]}")
