@@ -180,6 +180,10 @@ class Publisher:
         """Directories, signal handlers, /metrics and the watcher, for one run."""
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.store.check()  # a missing bucket or a refused credential: exit 2 now
+        except StoreUnavailable as exc:
+            log.warning("object store unavailable at start; publishing retries it", error=str(exc))
         watcher = self.watcher = SnapshotWatcher(self.checkpoint_dir, poll=self.cfg.poll)
         if threading.current_thread() is threading.main_thread():
             self._install_signal_handlers()

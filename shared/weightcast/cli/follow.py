@@ -41,6 +41,7 @@ def run_follow(config: Config) -> int:
         lease_seconds=cfg.lease_seconds,
         keep_base=not cfg.vllm_url,  # a plain node keeps its base: the next version by delta
     )
+    client.files.store.check()
     stop = threading.Event()
 
     def request_stop(_signum: int, _frame: Any) -> None:

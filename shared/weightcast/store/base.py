@@ -83,6 +83,11 @@ class Store(ABC):
     """The store's root, for logs and messages (never a credential)."""
 
     @abstractmethod
+    def check(self) -> None:
+        """Fail now, in one line, if this process can never use the store (no such bucket,
+        a refused credential: :class:`StoreAccessDenied`), rather than at the first version."""
+
+    @abstractmethod
     def open_version(self, path: str) -> StoredVersion:
         """The version at the registry's ``path`` (``v17``), relative to the root; a path that
         leaves the root is a WeightsError."""

@@ -198,6 +198,9 @@ class DirectoryStore(Store):
         self.root_as_given = given
         self.label = str(self.root)
 
+    def check(self) -> None:
+        """Nothing: a directory not mounted yet may appear later (nodes wait for versions)."""
+
     def path(self, path: str) -> Path:
         """Where the registry's ``path`` is on this node (inside the root, or a WeightsError)."""
         return self.root.joinpath(*registered_parts(path, self.root, self.root_as_given))

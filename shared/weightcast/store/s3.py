@@ -38,7 +38,13 @@ from urllib.parse import parse_qsl, urlsplit
 import boto3
 from botocore.config import Config as BotoConfig
 
-from weightcast.contract.errors import ConfigError, StoreUnavailable, WeightcastError, WeightsError
+from weightcast.contract.errors import (
+    ConfigError,
+    StoreAccessDenied,
+    StoreUnavailable,
+    WeightcastError,
+    WeightsError,
+)
 from weightcast.contract.manifest import MANIFEST_NAME
 from weightcast.contract.version_info import dir_version
 from weightcast.runtime.logs import get_logger
@@ -158,6 +164,15 @@ class S3Store(Store):
 
     def key(self, *names: str) -> str:
         return self.prefix + "/".join(names)
+
+    def check(self) -> None:
+        try:
+            self.call("checking the bucket", partial(self.client.head_bucket, Bucket=self.bucket))
+        except WeightsError:  # a HEAD's 404 has no code: the bucket is not there
+            raise StoreAccessDenied(
+                f"{self.label}: no such bucket; create it, or check the bucket name and the "
+                "endpoint (s3_endpoint_url)"
+            ) from None
 
     # Nodes
 
