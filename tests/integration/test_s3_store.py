@@ -1,0 +1,267 @@
+"""Versions in a real S3 server (SeaweedFS, started by the tests): the real publisher uploads,
+registers and evicts; nodes read their byte ranges, verified, by delta too; hostile and
+changed objects are refused; outages of the store and a full bucket are ridden out."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import torch
+
+from weightcast.client.node import Node
+from weightcast.client.reader import VersionReader
+from weightcast.contract.errors import StoreFull, StoreUnavailable, WeightsError
+from weightcast.contract.keys import Keys
+from weightcast.contract.layout import FUSED_WEIGHTS_FILE
+from weightcast.contract.manifest import MANIFEST_NAME
+from weightcast.contract.snapshot_format import CONFIG_NAME
+from weightcast.contract.version_info import VersionInfo
+from weightcast.local.redis_server import RedisServer
+from weightcast.local.s3_server import S3Server
+from weightcast.store.s3 import S3Store
+
+from helpers.s3 import s3_client
+from helpers.versions import Deployment
+
+pytestmark = pytest.mark.usefixtures("s3_env")
+
+
+def store_settings(server: S3Server, bucket: str) -> dict[str, object]:
+    return {
+        "weights_url": f"s3://{bucket}/run",
+        "s3_endpoint_url": server.endpoint_url,
+        "s3_addressing_style": "path",
+        "store_retry_seconds": 1,
+    }
+
+
+@pytest.fixture
+def deployment(
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    s3_bucket: str,
+) -> Deployment:
+    settings = store_settings(s3_server, s3_bucket)
+    return Deployment(client, keys, tmp_path, redis_server.url, tp=2, store=settings)
+
+
+def objects(deployment: Deployment, prefix: str = "") -> list[str]:
+    store = deployment.publisher.store
+    assert isinstance(store, S3Store)
+    return sorted(k[len(store.prefix) :] for k in store._keys(store.prefix + prefix))
+
+
+def info_of(deployment: Deployment, version: int) -> VersionInfo:
+    return deployment.reader().info(version)
+
+
+def test_versions_in_a_bucket_read_bitwise_what_the_directory_holds(
+    deployment: Deployment,
+) -> None:
+    versions = [deployment.publish() for _ in range(3)]
+    assert versions == [1, 2, 3]
+    local = VersionReader(deployment.root / "weights")
+    node = deployment.reader()
+    for version in versions[1:]:
+        info = node.info(version)
+        for rank in range(2):
+            got = node.rank_tensors(info, rank, 2)
+            expected = local.rank_tensors(info, rank, 2)
+            assert got.keys() == expected.keys()
+            assert all(torch.equal(got[k], expected[k]) for k in got)
+        assert node.files.stats.bytes_read < info.bytes  # only the rank's blocks
+        node.verify(info)
+        assert node.config(info) == local.config(info)
+    # keep-last-two: v1 gone from the bucket and from the publisher's copy
+    assert {k.split("/")[0] for k in objects(deployment)} == {"v2", "v3"}
+    assert sorted(p.name for p in (deployment.root / "weights").iterdir()) == ["v2", "v3"]
+
+
+def test_a_node_that_keeps_its_base_reads_the_next_version_by_delta_from_the_bucket(
+    deployment: Deployment,
+) -> None:
+    deployment.publish()
+    node = deployment.reader()
+    node.files.keep_base = True
+    local = VersionReader(deployment.root / "weights")
+    for _ in range(3):
+        version = int(deployment.client.get(deployment.keys.latest))
+        with node.lease(version) as info:
+            got = node.rank_tensors(info, 1, 2)
+        expected = local.rank_tensors(info, 1, 2)
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
+        deployment.publish()
+    assert node.files.stats.via == "delta", node.files.stats.reason
+
+
+def test_a_leased_version_keeps_its_objects_until_released(deployment: Deployment) -> None:
+    deployment.publish()
+    node = deployment.reader(lease_seconds=60)
+    lease = node.lease(1)
+    lease.__enter__()
+    for _ in range(3):
+        deployment.publish()
+    assert MANIFEST_NAME in {k.split("/", 1)[1] for k in objects(deployment, "v1/")}
+    lease.release()
+    deployment.publish()
+    assert objects(deployment, "v1/") == []
+
+
+def put(server: S3Server, deployment: Deployment, key: str, body: bytes) -> None:
+    store = deployment.publisher.store
+    assert isinstance(store, S3Store)
+    s3_client(server).put_object(Bucket=store.bucket, Key=store.prefix + key, Body=body)
+
+
+def get(server: S3Server, deployment: Deployment, key: str) -> bytes:
+    store = deployment.publisher.store
+    assert isinstance(store, S3Store)
+    answer = s3_client(server).get_object(Bucket=store.bucket, Key=store.prefix + key)
+    return bytes(answer["Body"].read())
+
+
+def flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :]
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "message"),
+    [
+        (FUSED_WEIGHTS_FILE, lambda b: flip(b, len(b) - 9), "digest"),
+        (FUSED_WEIGHTS_FILE, lambda b: b[:-8], "bytes, the manifest says"),
+        (MANIFEST_NAME, lambda b: b.replace(b'"tp": 2', b'"tp": 1 '), "sha256"),
+        (CONFIG_NAME, lambda b: flip(b, 5), "digest"),
+        (CONFIG_NAME, None, "NoSuchKey|404|not what the manifest says"),
+    ],
+    ids=["a weights byte", "a short weights object", "the manifest", "config", "config gone"],
+)
+def test_an_object_changed_after_registration_is_refused(
+    deployment: Deployment, s3_server: S3Server, name: str, change: Any, message: str
+) -> None:
+    deployment.publish()
+    key = f"v1/{name}"
+    if change is None:
+        store = deployment.publisher.store
+        assert isinstance(store, S3Store)
+        s3_client(s3_server).delete_object(Bucket=store.bucket, Key=store.prefix + key)
+    else:
+        put(s3_server, deployment, key, change(get(s3_server, deployment, key)))
+    node = deployment.reader()
+    info = node.info(1)
+    with pytest.raises(WeightsError, match=message):
+        node.verify(info)
+        node.rank_tensors(info, 0, 2)
+
+
+def test_an_object_replaced_while_a_node_reads_it_is_refused_not_mixed(
+    deployment: Deployment, s3_server: S3Server
+) -> None:
+    deployment.publish()
+    node = deployment.reader()
+    store = node.files.store
+    assert isinstance(store, S3Store)
+    with store.open_version("v1") as version:
+        f = version.open(FUSED_WEIGHTS_FILE)
+        first = f.read_at(0, 64)
+        put(s3_server, deployment, f"v1/{FUSED_WEIGHTS_FILE}", b"\0" * f.size)
+        with pytest.raises(WeightsError, match=r"PreconditionFailed|412"):
+            f.read_at(0, 64)
+    assert first != b"\0" * 64
+
+
+@pytest.mark.parametrize("path", ["../run/v1", "/run/v1", "v1/../v1", "", "v1/", "a/./b"])
+def test_a_registered_path_that_leaves_the_prefix_is_refused_before_any_request(
+    deployment: Deployment, path: str
+) -> None:
+    deployment.publish()
+    node = deployment.reader()
+    entry = node.info(1)
+    with pytest.raises(WeightsError, match="not plain names"):
+        node.files.manifest(dataclasses.replace(entry, path=path))
+
+
+def test_leftovers_of_a_killed_upload_are_removed_at_the_next_start_registered_ones_kept(
+    deployment: Deployment, s3_server: S3Server
+) -> None:
+    deployment.publish()
+    store = deployment.publisher.store
+    assert isinstance(store, S3Store)
+    raw = s3_client(s3_server)
+    raw.put_object(Bucket=store.bucket, Key=store.prefix + "v9/config.json", Body=b"{}")
+    raw.create_multipart_upload(Bucket=store.bucket, Key=store.prefix + "v9/model.vllm-fused")
+    deployment.publisher.clean_weights_dir()
+    assert {k.split("/")[0] for k in objects(deployment)} == {"v1"}
+    uploads = raw.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
+    assert uploads.get("Uploads", []) == []
+    deployment.reader().verify(info_of(deployment, 1))
+
+
+@pytest.fixture
+def private_deployment(
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    private_s3_server: S3Server,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Deployment:
+    for name, value in private_s3_server.client_env().items():
+        monkeypatch.setenv(name, value)
+    private_s3_server.create_bucket("faults")
+    settings = store_settings(private_s3_server, "faults")
+    return Deployment(client, keys, tmp_path, redis_server.url, tp=2, store=settings)
+
+
+def test_a_store_down_mid_publish_registers_nothing_and_the_publisher_resumes(
+    private_deployment: Deployment, private_s3_server: S3Server
+) -> None:
+    deployment = private_deployment
+    deployment.publish()
+    private_s3_server.kill()
+    with pytest.raises(StoreUnavailable):
+        deployment.publish()
+    assert int(deployment.client.get(deployment.keys.latest)) == 1
+    assert sorted(p.name for p in (deployment.root / "weights").iterdir()) == ["v1"]
+    private_s3_server.restart()
+    deployment.publisher.scan_once()  # the same snapshot, published again
+    latest = int(deployment.client.get(deployment.keys.latest))
+    assert latest > 1
+    deployment.reader().verify(info_of(deployment, latest))
+
+
+def test_a_node_keeps_what_it_holds_while_the_store_is_down_and_catches_up(
+    private_deployment: Deployment, private_s3_server: S3Server
+) -> None:
+    deployment = private_deployment
+    deployment.publish()
+    node = Node(deployment.reader(), report_every=60)
+    node.step(poll=0.1)
+    assert node.current == 1
+    deployment.publish()
+    private_s3_server.kill()
+    node.step(poll=0.1)  # v2 registered, its objects unreachable
+    assert (node.current, node.seen) == (1, 1)
+    private_s3_server.restart()
+    node.step(poll=0.1)
+    assert node.current == 2
+
+
+def test_a_full_bucket_is_reported_and_publishing_resumes_once_there_is_room(
+    private_deployment: Deployment, private_s3_server: S3Server
+) -> None:
+    deployment = private_deployment
+    deployment.publish()
+    private_s3_server.fill_bucket_quota("faults")
+    with pytest.raises(StoreFull):
+        deployment.publish()
+    assert int(deployment.client.get(deployment.keys.latest)) == 1
+    private_s3_server.clear_quota("faults")
+    deployment.publisher.scan_once()
+    assert int(deployment.client.get(deployment.keys.latest)) > 1
