@@ -19,9 +19,11 @@ import redis
 
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
+from weightcast.local.s3_server import S3Server
 from weightcast_trainer.device import use_cpu_without_accelerator
 
 from helpers.processes import run_env
+from helpers.s3 import unique_bucket
 
 use_cpu_without_accelerator()  # before any test module imports torchtitan
 
@@ -83,3 +85,37 @@ def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 def cli_env(redis_server: RedisServer, keys: Keys, tmp_path: Path) -> dict[str, str]:
     """Environment for ``weightcast`` subprocesses: this test's Redis, namespace, dirs."""
     return run_env(redis_server.url, keys.namespace, tmp_path)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """One private S3 server (SeaweedFS) for the session; tests isolate themselves by bucket
+    (``s3_bucket``). Tests that kill or fill a server take ``private_s3_server``."""
+    with S3Server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_server: S3Server) -> str:
+    """A new bucket on the session's S3 server, for this test alone."""
+    name = unique_bucket()
+    s3_server.create_bucket(name)
+    return name
+
+
+@pytest.fixture
+def private_s3_server(tmp_path: Path) -> Iterator[S3Server]:
+    """An S3 server of this test's own (bucket ``weights``), for fault tests that kill,
+    restart or fill it; stopped at the end (SIGKILL after 3 s: its data is not needed)."""
+    with S3Server(tmp_path / "s3", grace=3.0) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The session's S3 server in this test's environment (AWS_ENDPOINT_URL, dummy keys),
+    undone after the test; the variables set."""
+    env = s3_server.client_env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return env

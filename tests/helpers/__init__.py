@@ -1,1 +1,2 @@
-"""What the tests share, by theme: files, models, snapshots, processes, redis_state, versions."""
+"""What the tests share, by theme: files, models, snapshots, processes, redis_state, s3,
+versions."""
