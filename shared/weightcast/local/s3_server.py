@@ -309,9 +309,9 @@ class S3Server:
         self.stop()
 
 
-def _request(method: str, url: str, data: bytes | None = None) -> bytes:
+def _request(method: str, url: str, data: bytes | None = None, timeout: float = 5.0) -> bytes:
     request = urllib.request.Request(url, data=data, method=method)
-    with urllib.request.urlopen(request, timeout=5) as response:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         return response.read()
 
 
