@@ -69,6 +69,7 @@ class Deployment:
         config = load_config(env={}, overrides=settings)
         self.location = config.common.weights_location()
         """Where nodes read the versions: the weights directory, or the bucket's URL."""
+        self.store_retry_seconds = config.common.store_retry_seconds
         self.publisher = Publisher(config)
         self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
         self.step = 0
@@ -87,6 +88,7 @@ class Deployment:
             namespace=self.keys.namespace,
             node_id=node_id,
             lease_seconds=lease_seconds,
+            store_retry_seconds=self.store_retry_seconds,
         )
 
 

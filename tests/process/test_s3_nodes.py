@@ -29,7 +29,7 @@ from helpers.processes import (
     stop,
     with_test_modules,
 )
-from helpers.s3 import s3_env
+from helpers.s3 import s3_process_env
 from helpers.versions import Deployment
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def node_env(
 ) -> dict[str, str]:
     """A node's environment: the bucket, and a weights directory of its own that holds
     nothing (it reads no directory)."""
-    env = s3_env(server, cli_env)
+    env = s3_process_env(server, cli_env)
     env.update(
         WEIGHTCAST_WEIGHTS_URL=f"s3://{bucket}/run",
         WEIGHTCAST_S3_ENDPOINT_URL=server.endpoint_url,

@@ -40,6 +40,7 @@ def run_follow(config: Config) -> int:
         node_id=cfg.node_id,
         lease_seconds=cfg.lease_seconds,
         keep_base=not cfg.vllm_url,  # a plain node keeps its base: the next version by delta
+        store_retry_seconds=config.common.store_retry_seconds,
     )
     client.files.store.check()
     stop = threading.Event()

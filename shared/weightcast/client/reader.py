@@ -152,8 +152,9 @@ class VersionReader:
         weights_root: Path | str | Store,
         verified_dir: Path | str | None = None,
         keep_base: bool = False,
+        store_retry_seconds: float = 60.0,
     ) -> None:
-        self.store = open_store(weights_root)
+        self.store = open_store(weights_root, store_retry_seconds)
         self.record = ProcessRecord() if verified_dir is None else NodeRecord(verified_dir)
         self.stats = ReadStats()
         """What the last read to finish did."""

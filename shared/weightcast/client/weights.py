@@ -67,11 +67,12 @@ class WeightsClient:
         lease_seconds: float = 30.0,
         verified_dir: Path | str | None = None,
         keep_base: bool = False,
+        store_retry_seconds: float = 60.0,
     ) -> None:
         self.redis = redis_client(redis_url)
         self.keys = Keys(namespace)
         self.node_id = node_id or default_node_id()
-        self.files = VersionReader(weights_root, verified_dir, keep_base)
+        self.files = VersionReader(weights_root, verified_dir, keep_base, store_retry_seconds)
         self.lease_ms = int(lease_seconds * 1000)
         self.leases = Leases(self.redis, self.keys)
 
