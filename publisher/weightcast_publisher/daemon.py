@@ -49,7 +49,7 @@ from weightcast_publisher.converter import (
     convert,
 )
 from weightcast_publisher.delta_writer import warm_base
-from weightcast_publisher.eviction import Evictor
+from weightcast_publisher.eviction import Evictor, remove_version_files, trim_version_files
 from weightcast_publisher.leader import LeaderLock
 from weightcast_publisher.metrics import PublisherMetrics
 from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
@@ -102,7 +102,7 @@ class Publisher:
         self.keys = Keys(config.common.namespace)
         self.redis = redis_client(config.common.redis_url)
         self.registry = Registry(self.redis, self.keys)
-        self.evictor = Evictor(self.redis, self.keys, self.weights_dir, cfg.keep)
+        self.evictor = Evictor(self.redis, self.keys, self.weights_dir, cfg.keep, cfg.delta_window)
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
         self.stopping = threading.Event()
@@ -331,11 +331,15 @@ class Publisher:
                 self.stopping.wait(self.outage.failed(exc, f"registering version {version}"))
 
     def evict(self) -> None:
-        """Keep the newest ``keep`` versions, and any a reader leases."""
+        """Keep the newest ``keep`` versions, and any a reader leases; older ones on the
+        newest's chain of deltas stay delta-only for ``delta_window`` versions."""
         result = self.evictor.run()
         for version in result.evicted:
             self.metrics.evicted.inc()
             log.info("evicted version", version=version)
+        for version in result.trimmed:
+            self.metrics.trimmed.inc()
+            log.info("kept the delta of an evicted version", version=version)
         for version in result.leased:
             self.metrics.lease_waits.inc()
             log.info("eviction waits for a lease", version=version)
@@ -402,11 +406,15 @@ class Publisher:
         sweep(self.checkpoint_dir, (TRASH_PREFIX,))
         sweep(self.checkpoint_dir / QUARANTINE_DIR, (TRASH_PREFIX,))
         live = set(self.registry.live_versions())
+        deltas = set(self.evictor.delta_versions())
         for entry in self.weights_dir.iterdir():
             version = dir_version(entry.name)
-            if version is not None and version not in live:
-                remove_dir(entry)
+            if version is not None and version not in live | deltas:
+                remove_version_files(self.weights_dir, version)
                 removed.append(entry.name)
+        for version in deltas:  # a crash between the registry's trim and the directory's
+            delta_from = self.registry.delta_from(version)
+            trim_version_files(self.weights_dir, version, delta_from)
         if removed:
             log.info("removed leftovers of an earlier run", entries=",".join(sorted(removed)))
 

@@ -40,6 +40,7 @@ def run_follow(config: Config) -> int:
         node_id=cfg.node_id,
         lease_seconds=cfg.lease_seconds,
         keep_base=not cfg.vllm_url,  # a plain node keeps its base: the next version by delta
+        max_delta_chain=cfg.max_delta_chain,
     )
     stop = threading.Event()
 
