@@ -387,7 +387,9 @@ class VersionReader:
                     except WeightsError as exc:
                         raise DeltaError(f"link {link.version}: {exc}") from None
                 delta = step[1].delta
-                if delta is None or (delta.base_version, delta.base_manifest_sha256) != before:
+                if delta is None:
+                    raise DeltaError(f"version {link.version} has no delta")
+                if (delta.base_version, delta.base_manifest_sha256) != before:
                     raise DeltaError(
                         f"the delta of version {link.version} is not from version {before[0]} "
                         "(as the node holds or rebuilds it)"
