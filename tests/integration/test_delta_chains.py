@@ -15,6 +15,7 @@ import pytest
 import redis
 import torch
 
+from weightcast.cli.status import collect_status, format_status
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import VersionGone
 from weightcast.contract.keys import Keys
@@ -192,6 +193,11 @@ def test_delta_only_versions_are_not_live_for_older_clients(run: Run) -> None:
             ["config.json", MANIFEST_NAME, f"delta-from-v{version - 1}.xor-zstd"]
         )
     assert int(run.deployment.client.get(run.deployment.keys.latest)) == newest
+    status = collect_status(run.deployment.client, run.deployment.keys)
+    assert [v.version for v in status.versions] == run.live() == [newest - 1, newest]
+    assert status.delta_only == run.deltas() == [newest - 3, newest - 2]
+    shown = f"delta-only (links of delta chains): v{newest - 3}, v{newest - 2}"
+    assert shown in format_status(status)
 
 
 def test_the_publisher_keeps_deltas_for_its_window_and_never_touches_a_leased_one(
