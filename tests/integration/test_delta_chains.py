@@ -181,6 +181,26 @@ def test_a_chain_longer_than_the_bound_gives_a_full_read(run: Run) -> None:
     assert same(held, kept)
 
 
+def test_a_chain_larger_than_the_version_is_not_applied(run: Run) -> None:
+    """Versions that share nothing: each delta kept (delta_max_ratio 1.0) is about the
+    version's size, so three together are larger than reading the newest whole."""
+    publisher = run.deployment.publisher
+    publisher.options = dataclasses.replace(publisher.options, delta_max_ratio=1.0)
+    node = keeping(run)
+    node.rank_tensors(run.publish(), 0, TP)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for tensor in run.state.values():
+            tensor.copy_(torch.randn(tensor.shape, generator=gen))
+        newest = run.publish()
+        assert run.manifest(newest).delta is not None
+    mine = node.rank_tensors(newest, 0, TP)
+    assert node.files.stats.via == "full"
+    assert "; no chain of deltas: the chain of 3 deltas (" in node.files.stats.reason
+    assert "is not smaller than the version" in node.files.stats.reason
+    assert same(mine, run.deployment.reader().rank_tensors(newest, 0, TP))
+
+
 def test_delta_only_versions_are_not_live_for_older_clients(run: Run) -> None:
     _, _, newest = held_at(run)
     client = run.deployment.reader()
