@@ -18,6 +18,7 @@ import torch
 from weightcast.cli.status import collect_status, format_status
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import VersionGone
+from weightcast.contract.events import Evicted, parse_event
 from weightcast.contract.keys import Keys
 from weightcast.contract.leases import Leases
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest
@@ -224,6 +225,8 @@ def test_the_publisher_keeps_deltas_for_its_window_and_never_touches_a_leased_on
     run: Run,
 ) -> None:
     run.deployment.evictor.delta_window = 2
+    events = run.deployment.client.pubsub()
+    events.subscribe(run.deployment.keys.events)
     for _ in range(6):
         newest = run.publish()
     assert run.live() == [5, 6] and run.deltas() == [3, 4]
@@ -246,6 +249,15 @@ def test_the_publisher_keeps_deltas_for_its_window_and_never_touches_a_leased_on
         "v6", "v7", "v8", "v9",
     ]  # fmt: skip
     assert newest == 9
+    evicted = []  # once per version, when it stops being live (trimmed or evicted whole)
+    while message := events.get_message(timeout=0.2):
+        if message["type"] != "message":
+            continue
+        event = parse_event(message["data"])
+        if isinstance(event, Evicted):
+            evicted.append(event.version)
+    assert sorted(evicted) == [1, 2, 3, 4, 5, 6, 7]
+    events.close()
 
 
 def test_a_window_of_zero_evicts_whole_as_before(run: Run) -> None:

@@ -49,14 +49,16 @@ local t = redis.call('TIME')
 local now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now_ms)
 if redis.call('ZCARD', KEYS[3]) > 0 then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
+local live = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 redis.call('DEL', KEYS[2])
-redis.call('PUBLISH', ARGV[2], ARGV[3])
+if live == 1 then redis.call('PUBLISH', ARGV[2], ARGV[3]) end
 return 1
 """
 """KEYS: versions, v:<N>, leases:<N>, deltas. ARGV: N, the events channel, the evicted
-event. 1 when evicted (live or delta-only), 0 while a lease is live."""
+event. 1 when evicted (live or delta-only), 0 while a lease is live. ``evicted`` is
+published when N stops being live: here for a live version, by the trim script for a version
+made delta-only (not again when it is evicted from ``deltas``)."""
 
 _TRIM = """
 if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return -1 end
