@@ -61,9 +61,9 @@ class WeightsClient:
     read, which the returned tensors are views of, and read the next version of the same part
     by its delta from them when it has one (:mod:`weightcast.client.delta_reads`): the
     tensors returned before are then updated in place (clone one to keep a version). Such a
-    client reads one version at a time (the base is replaced by each read). Such a client
-    several versions behind applies the deltas of the versions between, at most
-    ``max_delta_chain`` in a row, when together they are smaller than the version.
+    client reads one version at a time (the base is replaced by each read); several versions
+    behind, it applies the deltas of the versions between, at most ``max_delta_chain`` in a
+    row, when together they are smaller than the version (:mod:`weightcast.client.chains`).
     """
 
     def __init__(
