@@ -34,6 +34,14 @@ a delta the publisher dropped still has a size to report.
     .venv/bin/python bench/bench_delta.py train --lrs 1e-6 1e-5 --steps 8
     .venv/bin/python bench/bench_delta.py node --shape 0.6B --rounds 5
     .venv/bin/python bench/bench_delta.py publish --shape 0.6B --change-rates 3 15 100 --rounds 5
+    .venv/bin/python bench/bench_delta.py chain --shape 0.6B --behind 3 --rounds 5
+
+``chain`` (issue 30): v1 from a random bf16 snapshot of ``--shape``, then ``--behind``
+versions each with ``--changed`` of the values moved one ulp at random places (a new place
+for each version), published by the converter with deltas on. Each round a node holding v1
+(``keep_base``) reads the newest by the chain of deltas (``links``: the versions between),
+against a fresh node reading it in full, every version's files dropped from the page cache
+first. Prints medians, the bytes each read, and the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ from weightcast.contract.version_info import VersionInfo
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
 from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.delta_writer import DeltaSink
 from weightcast_publisher.snapshot_scan import Snapshot
 from weightcast_trainer.model import flavor_args
 
@@ -441,9 +450,66 @@ def node(args: argparse.Namespace) -> dict:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def chain(args: argparse.Namespace) -> dict:
+    # This measures the node: the publisher here keeps every delta, even one whose encoding
+    # falls behind its write on a loaded machine (the daemon would drop it: issue 29).
+    DeltaSink.behind = lambda self: None  # type: ignore[method-assign]
+    work = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.dir))
+    try:
+        weights = work / "weights"
+        weights.mkdir()
+        convert(write_snapshot(work / "s1", args.shape), weights, 1, ConvertOptions(delta=False))
+        newest = args.behind + 1
+        for version in range(2, newest + 1):
+            source, target = work / f"s{version - 1}", work / f"s{version}"
+            snapshot = moved_copy(source, target, args.changed * 100, seed=version)
+            published = convert(snapshot, weights, version, ConvertOptions(delta=True))
+            if published.no_delta:
+                raise SystemExit(f"v{version} has no delta: {published.no_delta}")
+            shutil.rmtree(source)
+        infos = {v: registered(weights, v) for v in range(1, newest + 1)}
+        links = [infos[v] for v in range(2, newest)]
+        deltas = [Manifest.read(weights / f"v{v}").delta for v in range(2, newest + 1)]
+        size = Manifest.read(weights / f"v{newest}").total_bytes
+        rows = []
+        for at in range(args.rounds):
+            row: dict[str, float] = {}
+            holder = VersionReader(weights, keep_base=True, max_delta_chain=args.behind)
+            holder.rank_tensors(infos[1], 0, 1)
+            for version in range(2, newest + 1):
+                drop_cache(weights / f"v{version}")
+            row["node_chain"] = timed(partial(holder.rank_tensors, infos[newest], 0, 1, 1, links))
+            assert holder.stats.via == "chain", holder.stats.reason
+            row["chain_read_bytes"] = holder.stats.bytes_read
+            fresh = VersionReader(weights)
+            drop_cache(weights / f"v{newest}")
+            row["node_full"] = timed(partial(fresh.rank_tensors, infos[newest], 0, 1))
+            row["full_read_bytes"] = fresh.stats.bytes_read
+            if at == 0:  # bitwise the same version
+                chained = holder.rank_tensors(infos[newest], 0, 1)
+                whole = fresh.rank_tensors(infos[newest], 0, 1)
+                assert all(torch.equal(chained[k], whole[k]) for k in whole)
+            del holder, fresh
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        ratios = [r["node_chain"] / r["node_full"] for r in rows]
+        sizes = ", ".join(f"{d.bytes / size:.2%}" for d in deltas if d is not None)
+        print(
+            f"{args.shape}, {args.changed:.1%} of values moved per version, deltas {sizes} of "
+            f"the version\n  node {args.behind} versions behind: by chain {med['node_chain']:.2f}"
+            f" s ({med['chain_read_bytes'] / 1e6:.0f} MB read), by full {med['node_full']:.2f} s"
+            f" ({med['full_read_bytes'] / 1e6:.0f} MB): {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}..{max(ratios):.2f})"
+        )
+        return {"shape": args.shape, "changed": args.changed, "behind": args.behind, "rounds": rows}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("part", choices=("train", "node", "publish"))
+    parser.add_argument("part", choices=("train", "node", "publish", "chain"))
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-6, 1e-5])
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=8)
@@ -452,6 +518,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6B")
     parser.add_argument("--changed", type=float, default=0.01, help="share of values changed")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--behind", type=int, default=3, help="chain: versions behind")
     parser.add_argument(
         "--change-rates",
         type=float,
@@ -470,7 +537,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
-    parts = {"train": train, "node": node, "publish": publish}
+    parts = {"train": train, "node": node, "publish": publish, "chain": chain}
     result = parts[args.part](args)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

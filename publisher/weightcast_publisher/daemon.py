@@ -48,7 +48,7 @@ from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN, Backoff, Outage
-from weightcast.store.directory import DirectoryStore
+from weightcast.store.base import RemoteStore
 from weightcast.store.factory import open_store
 from weightcast_publisher.converter import (
     TMP_VERSION_PREFIX,
@@ -57,7 +57,12 @@ from weightcast_publisher.converter import (
     convert,
 )
 from weightcast_publisher.delta_writer import warm_base
-from weightcast_publisher.eviction import Evictor
+from weightcast_publisher.eviction import (
+    Evictor,
+    delta_only_names,
+    remove_version_files,
+    trim_version_files,
+)
 from weightcast_publisher.leader import LeaderLock
 from weightcast_publisher.metrics import PublisherMetrics
 from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
@@ -107,16 +112,24 @@ class Publisher:
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
-        self.store = open_store(
-            config.common.weights_location() if config.common.weights_url else self.weights_dir,
-            config.common.store_retry_seconds,
-        )
-        """Where nodes find versions: the weights directory itself, or a bucket that each
-        version is uploaded to once it is complete here (the next delta's base stays here)."""
+        self.remote: RemoteStore | None = None
+        """The bucket each version is uploaded to once it is complete here (the next delta's
+        base stays here); None: nodes read the weights directory itself."""
+        if config.common.weights_url:
+            store = open_store(config.common.weights_location(), config.common.store_retry_seconds)
+            assert isinstance(store, RemoteStore)
+            self.remote = store
         self.keys = Keys(config.common.namespace)
         self.redis = redis_client(config.common.redis_url)
         self.registry = Registry(self.redis, self.keys)
-        self.evictor = Evictor(self.redis, self.keys, self.remove_version, cfg.keep)
+        self.evictor = Evictor(
+            self.redis,
+            self.keys,
+            self.remove_version,
+            self.trim_version,
+            cfg.keep,
+            cfg.delta_window,
+        )
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
         self.stopping = threading.Event()
@@ -181,7 +194,8 @@ class Publisher:
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.weights_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.store.check()  # a missing bucket or a refused credential: exit 2 now
+            if self.remote is not None:
+                self.remote.check()  # a missing bucket or a refused credential: exit 2 now
         except StoreUnavailable as exc:
             log.warning("object store unavailable at start; publishing retries it", error=str(exc))
         watcher = self.watcher = SnapshotWatcher(self.checkpoint_dir, poll=self.cfg.poll)
@@ -193,7 +207,7 @@ class Publisher:
             "publisher started",
             checkpoint_dir=str(self.checkpoint_dir),
             weights_dir=str(self.weights_dir),
-            store=self.store.label,
+            store=self.remote.label if self.remote else None,
             tp=self.cfg.tp,
             layout=self.cfg.layout,
             per_rank_files=self.cfg.per_rank_files,
@@ -280,7 +294,7 @@ class Publisher:
         if outcome != REGISTERED:
             why = "already handled" if outcome == ALREADY_HANDLED else "lost the publisher lock"
             log.warning("version not registered; removing it", version=version, reason=why)
-            self.remove_version(version_dir_name(version))
+            self.remove_version(version)
             return
         seconds = time.perf_counter() - start
         manifest = published.manifest
@@ -312,26 +326,32 @@ class Publisher:
         """Put the version in the store (nothing to do when the store is the weights
         directory). On failure the version is removed, here and there, and the snapshot is
         published again at the next round."""
-        if isinstance(self.store, DirectoryStore):
+        if self.remote is None:
             return
         start = time.perf_counter()
-        name = version_dir_name(version)
         try:
-            self.store.upload_version(name, published.path)
+            self.remote.upload_version(version_dir_name(version), published.path)
         except BaseException:
-            remove_dir(published.path)
             with contextlib.suppress(WeightcastError):
-                self.store.remove_version(name)
+                self.remove_version(version)
+            remove_dir(published.path)
             raise
         seconds = time.perf_counter() - start
         self.metrics.upload_seconds.observe(seconds)
-        log.info("uploaded version", version=version, store=self.store.label, seconds=seconds)
+        log.info("uploaded version", version=version, store=self.remote.label, seconds=seconds)
 
-    def remove_version(self, name: str) -> None:
-        """Remove a version from the store and from the weights directory (evicted, or never
-        registered)."""
-        self.store.remove_version(name)
-        remove_dir(self.weights_dir / name)
+    def remove_version(self, version: int) -> None:
+        """Remove every file of ``version`` (evicted, or never registered): from the store
+        first, then from the weights directory."""
+        if self.remote is not None:
+            self.remote.remove_version(version_dir_name(version))
+        remove_version_files(self.weights_dir, version)
+
+    def trim_version(self, version: int, delta_from: int) -> None:
+        """Make ``version`` delta-only: in the store, then in the weights directory."""
+        if self.remote is not None:
+            self.remote.trim_version(version_dir_name(version), delta_only_names(delta_from))
+        trim_version_files(self.weights_dir, version, delta_from)
 
     def register(self, version: int, snapshot: Snapshot, published: Published) -> tuple[int, float]:
         """Register the whole version directory, riding out a Redis outage; (outcome, lag).
@@ -379,11 +399,15 @@ class Publisher:
                 self.stopping.wait(self.outage.failed(exc, f"registering version {version}"))
 
     def evict(self) -> None:
-        """Keep the newest ``keep`` versions, and any a reader leases."""
+        """Keep the newest ``keep`` versions, and any a reader leases; older ones on the
+        newest's chain of deltas stay delta-only for ``delta_window`` versions."""
         result = self.evictor.run()
         for version in result.evicted:
             self.metrics.evicted.inc()
             log.info("evicted version", version=version)
+        for version in result.trimmed:
+            self.metrics.trimmed.inc()
+            log.info("kept the delta of an evicted version", version=version)
         for version in result.leased:
             self.metrics.lease_waits.inc()
             log.info("eviction waits for a lease", version=version)
@@ -450,17 +474,20 @@ class Publisher:
         sweep(self.checkpoint_dir, (TRASH_PREFIX,))
         sweep(self.checkpoint_dir / QUARANTINE_DIR, (TRASH_PREFIX,))
         live = set(self.registry.live_versions())
+        deltas = set(self.evictor.delta_versions())
         for entry in self.weights_dir.iterdir():
             version = dir_version(entry.name)
-            if version is not None and version not in live:
-                remove_dir(entry)
+            if version is not None and version not in live | deltas:
+                remove_version_files(self.weights_dir, version)
                 removed.append(entry.name)
-        if not isinstance(self.store, DirectoryStore):
-            for name in self.store.version_names():
-                if dir_version(name) not in live:
-                    self.store.remove_version(name)
-                    removed.append(f"{self.store.label}{name}")
-            if unfinished := self.store.remove_unfinished():
+        for version in deltas:  # a crash between the registry's trim and the directory's
+            self.trim_version(version, self.registry.delta_from(version))
+        if self.remote is not None:
+            for name in self.remote.version_names():
+                if dir_version(name) not in live | deltas:
+                    self.remote.remove_version(name)
+                    removed.append(f"{self.remote.label}{name}")
+            if unfinished := self.remote.remove_unfinished():
                 removed.append(f"{unfinished} unfinished uploads")
         if removed:
             log.info("removed leftovers of an earlier run", entries=",".join(sorted(removed)))

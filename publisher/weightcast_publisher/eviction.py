@@ -1,53 +1,181 @@
-"""Keep-last-N eviction that never removes a version a reader holds a live lease on.
+"""Keep-last-N eviction that never removes a version a reader holds a live lease on, and the
+delta window: an evicted version's delta outlives its full files.
 
-The lease protocol's eviction script (:meth:`weightcast.contract.leases.Leases.evict`) drops
-expired leases, refuses while any lease is live, and otherwise removes the version from
-Redis and announces it; only then are its files removed (from the store, and the publisher's
-weights directory). A reader that took its lease first keeps every file it needs.
+The lease protocol's scripts (:mod:`weightcast.contract.leases`) drop expired leases, refuse
+while any lease is live, and otherwise change the registry and announce it; only then are the
+files touched. A reader that took its lease first keeps every file it needs.
+
+Of the versions older than the newest ``keep``, those whose delta can still be a link of a
+node's chain to the newest version (it is on the chain of ``delta_from`` from the newest one,
+no version without a delta in between) stay as **delta-only** versions while they are among
+the newest ``delta_window`` such (:meth:`Leases.trim`: out of ``versions``, into ``deltas``,
+the directory trimmed to ``manifest.json``, ``config.json`` and the delta file by
+:func:`trim_version_files`); every other one is evicted whole (:func:`remove_version_files`).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import redis
 
+from weightcast.contract.delta import delta_file_name
+from weightcast.contract.durable import exchange_dirs, fsync_path, remove_dir, trash_path
 from weightcast.contract.keys import Keys
 from weightcast.contract.leases import Leases
+from weightcast.contract.manifest import MANIFEST_NAME
+from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.version_info import version_dir_name
+from weightcast_publisher.converter import TMP_VERSION_PREFIX
 
 
 @dataclass
 class EvictionResult:
     evicted: list[int] = field(default_factory=list)
     leased: list[int] = field(default_factory=list)
+    trimmed: list[int] = field(default_factory=list)
+    """Versions made delta-only: their full files removed, their delta kept."""
 
 
 class Evictor:
     def __init__(
-        self, client: redis.Redis, keys: Keys, remove: Callable[[str], None], keep: int
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        remove: Callable[[int], None],
+        trim: Callable[[int, int], None],
+        keep: int,
+        delta_window: int = 0,
     ) -> None:
         self.client = client
         self.keys = keys
         self.remove = remove
-        """Removes a version's files, given its directory name."""
+        """Removes every file of a version (here, and in the store)."""
+        self.trim_files = trim
+        """Trims a version's files to a delta-only version's, given its ``delta_from``."""
         self.keep = keep
+        self.delta_window = delta_window
         self.leases = Leases(client, keys)
 
     def run(self) -> EvictionResult:
-        """Evict every live version older than the newest ``keep`` that no one leases."""
+        """Evict or trim every live version older than the newest ``keep`` that no one
+        leases, and evict the delta-only versions past the window (unless leased)."""
         live = [int(v) for v in self.client.zrange(self.keys.versions, 0, -1)]
+        deltas = self.delta_versions()
+        kept = self.delta_only_kept(live, deltas)
         result = EvictionResult()
         for version in live[: max(0, len(live) - self.keep)]:
+            if version in kept:
+                done = self.trim(version)
+                if done:
+                    result.trimmed.append(version)
+                elif done is False:
+                    result.leased.append(version)
+            elif self.evict(version):
+                result.evicted.append(version)
+            else:
+                result.leased.append(version)
+        for version in deltas:
+            if version in kept:
+                continue
             if self.evict(version):
                 result.evicted.append(version)
             else:
                 result.leased.append(version)
         return result
 
+    def delta_versions(self) -> list[int]:
+        """The delta-only versions, oldest first."""
+        return [int(v) for v in self.client.zrange(self.keys.deltas, 0, -1)]
+
+    def delta_only_kept(self, live: list[int], deltas: list[int]) -> set[int]:
+        """The versions (live now or delta-only) to keep delta-only: on the chain of
+        ``delta_from`` down from the newest live version, below the newest ``keep``, the
+        newest ``delta_window`` of them."""
+        if not self.delta_window or not live:
+            return set()
+        registered = set(live) | set(deltas)
+        pipe = self.client.pipeline(transaction=False)
+        order = sorted(registered)
+        for version in order:
+            pipe.hget(self.keys.version(version), "delta_from")
+        delta_from = {v: int(d or 0) for v, d in zip(order, pipe.execute(), strict=True)}
+        full = set(live[-self.keep :])
+        chain, at = [], live[-1]
+        while at in registered and delta_from[at] > 0:
+            if at not in full:
+                chain.append(at)
+            at = delta_from[at]
+        return set(chain[: self.delta_window])
+
     def evict(self, version: int) -> bool:
         if not self.leases.evict(version):
             return False
-        self.remove(version_dir_name(version))
+        self.remove(version)
         return True
+
+    def trim(self, version: int) -> bool | None:
+        """Make ``version`` delta-only (True), or not while leased (False), or None when it
+        is no longer live."""
+        done = self.leases.trim(version)
+        if done:
+            delta_from = int(self.client.hget(self.keys.version(version), "delta_from") or 0)
+            self.trim_files(version, delta_from)
+        return done
+
+
+def remove_version_files(weights_dir: Path, version: int) -> None:
+    """Remove every file of an evicted ``version`` (its directory, renamed away first)."""
+    remove_dir(weights_dir / version_dir_name(version))
+
+
+def delta_only_names(delta_from: int) -> set[str]:
+    """The files a delta-only version keeps: what a node reads of a chain's link (the
+    manifest and the delta) and the config the manifest lists."""
+    return {MANIFEST_NAME, CONFIG_NAME, delta_file_name(delta_from)}
+
+
+def trim_version_files(weights_dir: Path, version: int, delta_from: int) -> None:
+    """Trim a delta-only ``version``'s directory to :func:`delta_only_names`, atomically
+    where the filesystem swaps directories: a trimmed copy (hard links to the same files) is
+    built aside and exchanged with ``v<N>/`` in one step, so ``v<N>/`` is always the whole
+    directory or the trimmed one, the kept files the same inodes in both. Elsewhere the other
+    files are removed in place (no lease is live on the version and no node reads more than
+    the kept files of a delta-only version). A no-op on a trimmed directory."""
+    final = weights_dir / version_dir_name(version)
+    keep = delta_only_names(delta_from)
+    try:
+        extra = [e for e in os.scandir(final) if e.name not in keep]
+    except FileNotFoundError:
+        return
+    if not extra:
+        return
+    # Built as .tmp-v<N>-delta-only/: a name the new leader's sweep of temp directories removes.
+    tmp = weights_dir / f"{TMP_VERSION_PREFIX}{version}-delta-only"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        for name in sorted(keep):
+            if (final / name).is_file():
+                os.link(final / name, tmp / name)
+        fsync_path(tmp)
+        swapped = exchange_dirs(tmp, final)
+    except OSError:
+        swapped = False
+    if swapped:
+        fsync_path(weights_dir)
+        remove_dir(tmp)  # the whole directory, under the temp name since the swap
+        return
+    shutil.rmtree(tmp, ignore_errors=True)
+    for entry in extra:  # no atomic swap here: remove the other files in place
+        path = Path(entry.path)
+        if entry.is_dir(follow_symlinks=False):
+            os.rename(path, aside := trash_path(path))
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    fsync_path(final)

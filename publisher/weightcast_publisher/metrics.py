@@ -42,6 +42,11 @@ class PublisherMetrics:
             "weightcast_snapshots_quarantined", "Snapshots moved to quarantine", registry=r
         )
         self.evicted = Counter("weightcast_versions_evicted", "Versions evicted", registry=r)
+        self.trimmed = Counter(
+            "weightcast_versions_trimmed",
+            "Versions evicted whose delta was kept (delta-only)",
+            registry=r,
+        )
         self.lease_waits = Counter(
             "weightcast_eviction_lease_waits",
             "Evictions postponed because a reader held a lease",

@@ -78,3 +78,7 @@ class Registry:
 
     def live_versions(self) -> list[int]:
         return [int(v) for v in self.client.zrange(self.keys.versions, 0, -1)]
+
+    def delta_from(self, version: int) -> int:
+        """The version whose delta was written beside ``version`` (0: none, or no entry)."""
+        return int(self.client.hget(self.keys.version(version), "delta_from") or 0)

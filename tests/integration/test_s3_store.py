@@ -53,7 +53,7 @@ def deployment(
 
 
 def objects(deployment: Deployment, prefix: str = "") -> list[str]:
-    store = deployment.publisher.store
+    store = deployment.publisher.remote
     assert isinstance(store, S3Store)
     return sorted(k[len(store.prefix) :] for k in store._keys(store.prefix + prefix))
 
@@ -115,13 +115,13 @@ def test_a_leased_version_keeps_its_objects_until_released(deployment: Deploymen
 
 
 def put(server: S3Server, deployment: Deployment, key: str, body: bytes) -> None:
-    store = deployment.publisher.store
+    store = deployment.publisher.remote
     assert isinstance(store, S3Store)
     s3_client(server).put_object(Bucket=store.bucket, Key=store.prefix + key, Body=body)
 
 
 def get(server: S3Server, deployment: Deployment, key: str) -> bytes:
-    store = deployment.publisher.store
+    store = deployment.publisher.remote
     assert isinstance(store, S3Store)
     answer = s3_client(server).get_object(Bucket=store.bucket, Key=store.prefix + key)
     return bytes(answer["Body"].read())
@@ -148,7 +148,7 @@ def test_an_object_changed_after_registration_is_refused(
     deployment.publish()
     key = f"v1/{name}"
     if change is None:
-        store = deployment.publisher.store
+        store = deployment.publisher.remote
         assert isinstance(store, S3Store)
         s3_client(s3_server).delete_object(Bucket=store.bucket, Key=store.prefix + key)
     else:
@@ -191,7 +191,7 @@ def test_leftovers_of_a_killed_upload_are_removed_at_the_next_start_registered_o
     deployment: Deployment, s3_server: S3Server
 ) -> None:
     deployment.publish()
-    store = deployment.publisher.store
+    store = deployment.publisher.remote
     assert isinstance(store, S3Store)
     raw = s3_client(s3_server)
     raw.put_object(Bucket=store.bucket, Key=store.prefix + "v9/config.json", Body=b"{}")
@@ -269,3 +269,25 @@ def test_a_full_bucket_is_reported_and_publishing_resumes_once_there_is_room(
     private_s3_server.clear_quota("faults")
     deployment.publisher.scan_once()
     assert int(deployment.client.get(deployment.keys.latest)) > 1
+
+
+def test_a_node_versions_behind_catches_up_by_a_chain_of_deltas_from_the_bucket(
+    deployment: Deployment,
+) -> None:
+    deployment.publish()
+    node = deployment.reader()
+    node.files.keep_base = True
+    with node.lease(1) as info:
+        node.rank_tensors(info, 0, 2)
+    for _ in range(3):
+        deployment.publish()
+    # v2 is delta-only now: in the bucket, its manifest, config and delta alone
+    assert sorted(k.split("/", 1)[1] for k in objects(deployment, "v2/")) == sorted(
+        [MANIFEST_NAME, CONFIG_NAME, "delta-from-v1.xor-zstd"]
+    )
+    with node.lease(4) as info:
+        got = node.rank_tensors(info, 0, 2)
+    stats = node.files.stats
+    assert (stats.via, stats.links) == ("chain", 3), stats.reason
+    expected = VersionReader(deployment.root / "weights").rank_tensors(info, 0, 2)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)

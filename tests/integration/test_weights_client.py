@@ -68,7 +68,14 @@ def test_a_leased_version_outlives_newer_versions_until_released(deployment: Dep
     deployment.evictor.run()
     assert deployment.registry.live_versions() == [4, 5]
     assert not (deployment.root / "weights" / "v1").exists()
-    assert sorted(p.name for p in (deployment.root / "weights").iterdir()) == ["v4", "v5"]
+    # v2 and v3 stay delta-only (publisher.delta_window): their manifest, config and delta.
+    weights = deployment.root / "weights"
+    assert sorted(p.name for p in weights.iterdir()) == ["v2", "v3", "v4", "v5"]
+    assert sorted(p.name for p in (weights / "v3").iterdir()) == [
+        "config.json",
+        "delta-from-v2.xor-zstd",
+        "manifest.json",
+    ]
 
 
 def test_an_evicted_version_cannot_be_leased(deployment: Deployment) -> None:

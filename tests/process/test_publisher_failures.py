@@ -4,6 +4,7 @@ taking over, Redis restarted mid-stream, a full filesystem."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import random
 import subprocess
@@ -99,6 +100,10 @@ def assert_registered_versions_are_whole(
     return live
 
 
+def delta_only(client: redis.Redis, keys: Keys) -> list[int]:
+    return [int(v) for v in client.zrange(keys.deltas, 0, -1)]
+
+
 def new_temp_dirs(weights: Path, before: set[Path]) -> list[Path]:
     """Temp directories of conversions that were not there ``before``."""
     if not weights.exists():
@@ -144,19 +149,25 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_or_duplicate_version(
             time.sleep(rng.uniform(0.0, 0.8))
         daemon.kill()
         live = assert_registered_versions_are_whole(client, keys, weights)
+        deltas = [str(v) for v in delta_only(client, keys)]
         for entry in weights.iterdir() if weights.exists() else []:
             kind = entry.name.split("-")[0].rstrip("0123456789")
             left_behind[
                 kind
                 if kind != "v"
-                else "unregistered v"
-                if entry.name[1:] not in map(str, live)
                 else "live v"
+                if entry.name[1:] in map(str, live)
+                else "delta-only v"
+                if entry.name[1:] in deltas
+                else "unregistered v"
             ] += 1
     # Kills mid-conversion left temp directories, kills after a registration live versions
     # (by construction, above); kills between the rename and the registration may leave a
-    # whole but unregistered v<N>. Nothing else is ever left: no partial v<N>, no stray file.
-    assert set(left_behind) <= {".tmp", ".trash", "unregistered v", "live v"}, left_behind
+    # whole but unregistered v<N>; evicted versions on the newest's chain of deltas stay
+    # delta-only (publisher.delta_window), and a kill mid-trim leaves a .tmp-v<N>-delta-only
+    # or an untrimmed one. Nothing else is ever left: no partial v<N>, no stray file.
+    kinds = {".tmp", ".trash", "unregistered v", "live v", "delta-only v"}
+    assert set(left_behind) <= kinds, left_behind
     assert left_behind[".tmp"] >= 1 and left_behind["live v"] >= 1, left_behind
 
     daemon = Daemon(env, tmp_path / "final.log")
@@ -166,7 +177,15 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_or_duplicate_version(
 
     # No partial version anywhere: Redis names whole directories and only those exist.
     live = assert_registered_versions_are_whole(client, keys, weights)
-    assert sorted(p.name for p in weights.iterdir()) == sorted(f"v{v}" for v in live)
+    deltas = delta_only(client, keys)
+    assert sorted(p.name for p in weights.iterdir()) == sorted(f"v{v}" for v in live + deltas)
+    for version in deltas:  # trimmed (a trim a kill interrupted is finished at start), intact
+        fields = client.hgetall(keys.version(version))
+        delta = f"delta-from-v{int(fields[b'delta_from'])}.xor-zstd"
+        names = {p.name for p in (weights / f"v{version}").iterdir()}
+        assert names == {"manifest.json", "config.json", delta}
+        text = (weights / f"v{version}" / "manifest.json").read_bytes()
+        assert hashlib.sha256(text).hexdigest() == fields[b"manifest_sha256"].decode()
     assert not [p for p in checkpoints.iterdir() if p.name.startswith((".trash-", ".tmp-"))]
 
     # Each snapshot published at most once, versions never repeat, the newest two kept.

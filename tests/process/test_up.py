@@ -139,13 +139,17 @@ def test_up_runs_an_rl_loop_whose_reward_rises(
     assert early < 0.15 and late > 0.3 and late > 3 * early, out
     assert "mean reward:" in out
 
-    # Exactly the two newest remain, in Redis and on disk; every evicted one is gone.
+    # Exactly the two newest remain live, in Redis and on disk; the evicted ones on the
+    # newest's chain of deltas stay delta-only (publisher.delta_window), every other is gone.
     newest = [count - 1, count]
     assert [int(v) for v in client.zrange(keys.versions, 0, -1)] == newest
     assert int(client.get(keys.latest)) == count
     weights = run_dir / "weights"
-    assert sorted(p.name for p in weights.iterdir()) == live
-    assert not any(client.exists(keys.version(v)) for v in range(1, count - 1))
+    deltas = [int(v) for v in client.zrange(keys.deltas, 0, -1)]
+    assert len(deltas) <= 8 and all(v < count - 1 for v in deltas)
+    assert sorted(p.name for p in weights.iterdir()) == sorted(live + [f"v{v}" for v in deltas])
+    gone = [v for v in range(1, count - 1) if v not in deltas]
+    assert not any(client.exists(keys.version(v)) for v in gone)
     # Every registered entry names a whole directory (relative to the weights directory)
     # that matches its manifest, and its manifest's digest.
     for version in newest:

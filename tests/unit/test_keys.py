@@ -11,6 +11,7 @@ WIRE_NAMES = {
     "dead_letters": "{prod}:batches:dead",
     "latest": "{prod}:weights:latest",
     "versions": "{prod}:weights:versions",
+    "deltas": "{prod}:weights:deltas",
     "next_version": "{prod}:weights:next",
     "events": "{prod}:weights:events",
     "snapshots": "{prod}:weights:snapshots",

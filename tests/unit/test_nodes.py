@@ -31,7 +31,7 @@ def test_a_report_reads_back_as_written() -> None:
         ('{"version": 1}', "time None"),
         ('{"version": 1, "at": "now"}', "time 'now'"),
         ('{"version": 1, "at": 1, "error": 5}', "error 5"),
-        ('{"version": 1, "at": 1, "via": "rsync"}', "via 'rsync' is not one of delta, full"),
+        ('{"version": 1, "at": 1, "via": "rsync"}', "via 'rsync' is not one of delta, chain, full"),
         ('{"version": 1, "at": 1, "via": "full", "read_bytes": 1.5}', "read_bytes 1.5"),
     ],
 )

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from weightcast.client.vllm.protocol import InitInfo, UpdateInfo, resolve
@@ -47,7 +45,7 @@ def test_fields_come_from_the_update_then_the_init_info_then_the_settings() -> N
     update = UpdateInfo(version=4, weights_root="/update/weights")
     source = resolve(update, init, config)
     assert source.redis_url == "redis://init:6379/0"
-    assert source.weights_root == Path("/update/weights")
+    assert source.weights_root == "/update/weights"  # a directory, or an s3:// URL
     assert (source.namespace, source.node_id) == ("fromenv", "env-node")
     assert resolve(UpdateInfo(version=4), InitInfo(), load_config(env={})).node_id  # host-pid
 

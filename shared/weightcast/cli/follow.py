@@ -41,6 +41,7 @@ def run_follow(config: Config) -> int:
         lease_seconds=cfg.lease_seconds,
         keep_base=not cfg.vllm_url,  # a plain node keeps its base: the next version by delta
         store_retry_seconds=config.common.store_retry_seconds,
+        max_delta_chain=cfg.max_delta_chain,
     )
     client.files.store.check()
     stop = threading.Event()

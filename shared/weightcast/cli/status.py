@@ -137,6 +137,9 @@ class Status:
     publisher: PublisherStatus
     trainer: TrainerStatus
     stream: StreamStatus
+    delta_only: list[int] = dataclasses.field(default_factory=list)
+    """Delta-only versions (``{wc}:weights:deltas``): evicted, their delta kept as a link of a
+    node's chain."""
 
     def as_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"trainer": self.trainer.as_json()}
@@ -184,6 +187,7 @@ def collect_status(client: redis.Redis, keys: Keys, stale_seconds: float = 60.0)
         _publisher_status(client, keys, now),
         _trainer_status(client, keys, now),
         _stream_status(client, keys),
+        [int(raw) for raw in client.zrange(keys.deltas, 0, -1)],
     )
 
 
@@ -264,6 +268,9 @@ def format_status(status: Status) -> str:
         )
     if not status.versions:
         lines.append("   (no live versions)")
+    if status.delta_only:
+        listed = ", ".join(f"v{v}" for v in status.delta_only)
+        lines.append(f"delta-only (links of delta chains): {listed}")
     lines += ["", "nodes:"]
     for node, n in sorted(status.nodes.items()):
         behind = f", {n.behind} behind latest" if n.behind else ""

@@ -130,6 +130,21 @@ def delta_refusal(base: HeldBase | None, manifest: Manifest, wants: tuple[object
     return ""
 
 
+def held_frame_bytes(delta: Delta, name: str, held: HeldFile) -> int:
+    """The bytes of ``delta``'s frames of the blocks of file ``name`` a node holds: what
+    applying it reads (:class:`DeltaError` for a file it does not cover)."""
+    listed = delta.file_frames(name)
+    if listed is None or len(listed[1]) != len(held.starts) - 1:
+        raise DeltaError(f"the delta does not cover {name}")
+    lengths = listed[1]
+    return sum(lengths[index] for index in held.offsets)
+
+
+def held_block_bytes(held: HeldFile) -> int:
+    """The bytes of the blocks held: what a full read of the same part reads."""
+    return sum(held.starts[index + 1] - held.starts[index] for index in held.offsets)
+
+
 @dataclass
 class _FileFrames:
     """The held blocks of one file and where their frames are in the delta file, as arrays

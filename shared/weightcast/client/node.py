@@ -73,7 +73,7 @@ class Node:
         self.reported_at: float | None = None
         """When the version served was last reported (None: not yet)."""
         self.via = ""
-        """How the version served was read (``delta`` or ``full``)."""
+        """How the version served was read (``delta``, ``chain`` or ``full``)."""
         self.read_bytes = 0
         """The bytes read to load it."""
 
@@ -132,6 +132,7 @@ class Node:
             tensors=len(loaded.tensors),
             bytes=info.bytes,
             via=stats.via,
+            links=stats.links,
             read_bytes=stats.bytes_read,
             full_because=stats.reason or None,
             seconds=round(time.perf_counter() - start, 3),

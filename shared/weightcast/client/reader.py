@@ -22,8 +22,11 @@ With ``keep_base`` the reader reads the blocks into a buffer it keeps
 version of the same part by its delta when the version lists one from the version held:
 only the delta's frames of those blocks are read, applied in place (the tensors returned
 before become the new version), and every rebuilt block is verified against the new
-version's digest. Otherwise (no base, another base, a version skipped, a bad frame, a digest
-that differs) it reads the full version and :attr:`ReadStats.reason` says why.
+version's digest. Handed the entries of the versions between the one held and the one
+asked for (``links``, leased by the caller: :mod:`weightcast.client.chains`), it applies their
+deltas one after the other, all or nothing, when together they are smaller than the version.
+Otherwise (no base, another base, a version skipped, a bad frame, a digest that differs) it
+reads the full version and :attr:`ReadStats.reason` says why.
 
 Safetensors headers are parsed defensively (:mod:`weightcast.contract.tensorfile`, the
 parser the publisher uses too) after their own blocks are verified; every size is checked
@@ -35,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -44,7 +47,15 @@ from typing import Any
 import torch
 
 from weightcast.client.block_reads import Rect, checker, copy_rect, read_header, tensor_bytes
-from weightcast.client.delta_reads import DeltaApply, HeldBase, HeldFile, delta_refusal
+from weightcast.client.chains import DEFAULT_MAX_DELTA_CHAIN, chain_refusal
+from weightcast.client.delta_reads import (
+    DeltaApply,
+    HeldBase,
+    HeldFile,
+    delta_refusal,
+    held_block_bytes,
+    held_frame_bytes,
+)
 from weightcast.client.verified import NodeRecord, ProcessRecord, RecordKey
 from weightcast.contract.delta import Delta, DeltaError
 from weightcast.contract.errors import LayoutError, WeightsError
@@ -94,9 +105,12 @@ class ReadStats:
     blocks_trusted: int = 0
     """Blocks not hashed because the node's record says they were verified already."""
     via: str = "full"
-    """``delta``: rebuilt from the version held and the delta's frames; ``full``: read."""
+    """``delta``: rebuilt from the version held and the delta's frames; ``chain``: from the
+    version held and the deltas of several versions in a row; ``full``: read."""
     reason: str = ""
     """Why a reader that keeps its base read the full version."""
+    links: int = 0
+    """The deltas applied: 1 by delta, 2 or more by chain, 0 read in full."""
 
 
 def rank_wants(manifest: Manifest, tp_rank: int, tp_size: int, ep: int = 1) -> list[Want]:
@@ -153,6 +167,7 @@ class VersionReader:
         verified_dir: Path | str | None = None,
         keep_base: bool = False,
         store_retry_seconds: float = 60.0,
+        max_delta_chain: int = DEFAULT_MAX_DELTA_CHAIN,
     ) -> None:
         self.store = open_store(weights_root, store_retry_seconds)
         self.record = ProcessRecord() if verified_dir is None else NodeRecord(verified_dir)
@@ -161,6 +176,8 @@ class VersionReader:
         self.keep_base = keep_base
         self.base: HeldBase | None = None
         """The verified blocks of the last version read (``keep_base``): a delta's base."""
+        self.max_delta_chain = max_delta_chain
+        """Deltas applied in a row at most (a chain of ``links``)."""
 
     def path(self, info: VersionInfo) -> Path:
         """Where the version is on this node's filesystem (inside the weights root, or a
@@ -201,12 +218,18 @@ class VersionReader:
         self.stats = stats
         return manifest
 
-    def load(self, info: VersionInfo) -> dict[str, torch.Tensor]:
-        """Every tensor of the version, whole and verified."""
-        return self._read(info, whole_wants, ("whole",))
+    def load(self, info: VersionInfo, links: Sequence[VersionInfo] = ()) -> dict[str, torch.Tensor]:
+        """Every tensor of the version, whole and verified (``links``: as for
+        :meth:`rank_tensors`)."""
+        return self._read(info, whole_wants, ("whole",), links)
 
     def rank_tensors(
-        self, info: VersionInfo, tp_rank: int, tp_size: int, ep: int = 1
+        self,
+        info: VersionInfo,
+        tp_rank: int,
+        tp_size: int,
+        ep: int = 1,
+        links: Sequence[VersionInfo] = (),
     ) -> dict[str, torch.Tensor]:
         """What vLLM's rank ``tp_rank`` of ``tp_size`` holds of each tensor, verified.
 
@@ -216,11 +239,17 @@ class VersionReader:
         :class:`~weightcast.contract.errors.LayoutError` for a ``tp_size`` the version was not
         fused for (or experts laid out for another ``ep``), :class:`WeightsError` for anything
         wrong on disk.
+
+        ``links``: the registry entries of the versions between the one held (``keep_base``)
+        and ``info``'s, oldest first, each one's delta from the one before, leased by the
+        caller while this runs (live or delta-only versions): their deltas are applied one
+        after the other when together they read fewer bytes than the full version.
         """
         return self._read(
             info,
             lambda manifest: rank_wants(manifest, tp_rank, tp_size, ep),
             ("rank", tp_rank, tp_size, ep),
+            links,
         )
 
     def _read(
@@ -228,6 +257,7 @@ class VersionReader:
         info: VersionInfo,
         plan: Callable[[Manifest], list[Want]],
         part: tuple[object, ...],
+        links: Sequence[VersionInfo] = (),
     ) -> dict[str, torch.Tensor]:
         stats = ReadStats()
         with self._open(info) as directory:
@@ -236,7 +266,22 @@ class VersionReader:
             by_file: dict[str, list[Want]] = {}
             for want in wants:
                 by_file.setdefault(want.entry.file, []).append(want)
-            if self.keep_base:
+            if self.keep_base and links and self.base is not None:
+                try:
+                    chained = self._read_chain(
+                        info, links, directory, manifest, by_file, part, stats
+                    )
+                except DeltaError as exc:
+                    stats = ReadStats(reason=f"the delta chain failed: {exc}")
+                else:
+                    if chained is not None:
+                        self.base = HeldBase(
+                            info.version, info.manifest_sha256, manifest, part, self.base.files
+                        )
+                        stats.via = "chain"
+                        self.stats = stats
+                        return chained
+            elif self.keep_base:
                 stats.reason = delta_refusal(self.base, manifest, part)
                 if not stats.reason:
                     try:
@@ -248,7 +293,7 @@ class VersionReader:
                         self.base = HeldBase(
                             info.version, info.manifest_sha256, manifest, part, self.base.files
                         )
-                        stats.via = "delta"
+                        stats.via, stats.links = "delta", 1
                         self.stats = stats
                         return tensors
             held = HeldBase(info.version, info.manifest_sha256, manifest, part)
@@ -307,6 +352,95 @@ class VersionReader:
             except BaseException:
                 change.revert()
                 raise
+        return tensors
+
+    def _read_chain(
+        self,
+        info: VersionInfo,
+        links: Sequence[VersionInfo],
+        directory: StoredVersion,
+        manifest: Manifest,
+        by_file: dict[str, list[Want]],
+        part: tuple[object, ...],
+        stats: ReadStats,
+    ) -> dict[str, torch.Tensor] | None:
+        """The wanted tensors, the base's held blocks turned into ``info``'s in place by the
+        deltas of ``links`` then ``info``'s own (each verified against its link's manifest,
+        block by block); None (``stats.reason`` says why) when that does not pay.
+
+        Every link's manifest is checked against its registry digest, and its delta must be
+        from the version before it (number and manifest digest) before anything is read.
+        All or nothing: a failure anywhere changes every block changed by every link back
+        (the held tensors are bitwise the version held) and raises a :class:`DeltaError`
+        (the full version is read), or the final version's :class:`WeightsError`."""
+        base = self.base
+        assert base is not None
+        if part != base.wants:
+            raise DeltaError("the node holds another part of the base (another rank or tp)")
+        with ExitStack() as stack:
+            steps: list[tuple[StoredVersion, Manifest]] = []
+            before = (base.version, base.manifest_sha256)
+            for link in (*links, info):
+                if link is info:
+                    step = (directory, manifest)
+                else:
+                    try:
+                        opened = stack.enter_context(self._open(link))
+                        step = (opened, self._manifest(opened, link))
+                    except WeightsError as exc:
+                        raise DeltaError(f"link {link.version}: {exc}") from None
+                delta = step[1].delta
+                if delta is None:
+                    raise DeltaError(f"version {link.version} has no delta")
+                if (delta.base_version, delta.base_manifest_sha256) != before:
+                    raise DeltaError(
+                        f"the delta of version {link.version} is not from version {before[0]} "
+                        "(as the node holds or rebuilds it)"
+                    )
+                steps.append(step)
+                before = (link.version, link.manifest_sha256)
+            held: dict[str, HeldFile] = {}
+            for name in by_file:
+                if name not in base.files:
+                    raise DeltaError(f"the node holds no block of {name}")
+                held[name] = base.files[name]
+            sizes = []
+            for _, step_manifest in steps:
+                assert step_manifest.delta is not None
+                delta = step_manifest.delta
+                sizes.append(sum(held_frame_bytes(delta, n, held[n]) for n in held))
+            stats.reason = chain_refusal(
+                sizes, sum(held_block_bytes(h) for h in held.values()), self.max_delta_chain
+            )
+            if stats.reason:
+                return None
+            applied: list[DeltaApply] = []
+            try:
+                previous = base.manifest
+                for step_dir, step_manifest in steps:
+                    assert step_manifest.delta is not None
+                    files = [
+                        (_file_entry(step_manifest, n), _file_entry(previous, n), held[n])
+                        for n in held
+                    ]
+                    with _delta_file(step_dir, step_manifest, step_manifest.delta) as frames:
+                        change = DeltaApply(step_manifest.delta, frames, files)
+                        stats.bytes_read += change.apply()  # reverts its own blocks on failure
+                    applied.append(change)
+                    previous = step_manifest
+                tensors: dict[str, torch.Tensor] = {}
+                for name, file in held.items():
+                    label = f"{directory.label}/{name}"
+                    size = _file_entry(manifest, name).bytes
+                    spans = _header_spans(partial(_held_bytes, file), size, label)
+                    parts = [_part(want, spans, label) for want in by_file[name]]
+                    tensors |= _held_tensors(file, parts, label)
+                    stats.blocks_hashed += len(file.offsets) * len(steps)
+            except BaseException:
+                for change in reversed(applied):
+                    change.revert()
+                raise
+        stats.links = len(steps)
         return tensors
 
     @contextmanager
@@ -453,6 +587,12 @@ def _held_tensors(held: HeldFile, parts: Sequence[_Part], label: str) -> dict[st
             copy_rect(p.rect, start, data, out.view(-1).view(torch.uint8))
         outputs[p.name] = out
     return outputs
+
+
+def _held_bytes(held: HeldFile, start: int, stop: int) -> bytes | None:
+    """File bytes ``[start, stop)`` of the blocks held, or None when one is not held."""
+    data = held.span(start, stop)
+    return None if data is None else data.numpy().tobytes()
 
 
 def _header_spans(

@@ -9,6 +9,12 @@ A lease (:mod:`weightcast.contract.leases`, the protocol the publisher's evictio
 taken by a script that first checks the version is still live, so a reader either holds a
 version that stays on disk or learns at once that it is gone. A thread renews the lease
 while it is held.
+
+A client that keeps its base and is asked for a version whose delta is not from the one it
+holds looks for a chain (:mod:`weightcast.client.chains`): the versions between, each one's
+delta from the one before, live or delta-only (``{wc}:weights:deltas``). It leases every link
+while it reads them (:class:`ChainLease`) and hands their entries to the reader, which
+applies the deltas when together they are smaller than the version.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -24,6 +30,7 @@ from typing import Any
 import redis
 import torch
 
+from weightcast.client.chains import DEFAULT_MAX_DELTA_CHAIN, chain_links
 from weightcast.client.identity import default_node_id
 from weightcast.client.reader import VersionReader
 from weightcast.client.versions import live_info
@@ -54,7 +61,9 @@ class WeightsClient:
     read, which the returned tensors are views of, and read the next version of the same part
     by its delta from them when it has one (:mod:`weightcast.client.delta_reads`): the
     tensors returned before are then updated in place (clone one to keep a version). Such a
-    client reads one version at a time (the base is replaced by each read).
+    client reads one version at a time (the base is replaced by each read); several versions
+    behind, it applies the deltas of the versions between, at most ``max_delta_chain`` in a
+    row, when together they are smaller than the version (:mod:`weightcast.client.chains`).
     """
 
     def __init__(
@@ -68,11 +77,14 @@ class WeightsClient:
         verified_dir: Path | str | None = None,
         keep_base: bool = False,
         store_retry_seconds: float = 60.0,
+        max_delta_chain: int = DEFAULT_MAX_DELTA_CHAIN,
     ) -> None:
         self.redis = redis_client(redis_url)
         self.keys = Keys(namespace)
         self.node_id = node_id or default_node_id()
-        self.files = VersionReader(weights_root, verified_dir, keep_base, store_retry_seconds)
+        self.files = VersionReader(
+            weights_root, verified_dir, keep_base, store_retry_seconds, max_delta_chain
+        )
         self.lease_ms = int(lease_seconds * 1000)
         self.leases = Leases(self.redis, self.keys)
 
@@ -143,7 +155,8 @@ class WeightsClient:
 
     def load(self, version: int | VersionInfo) -> dict[str, torch.Tensor]:
         """Every tensor of a verified version, whole (per-rank files are refused)."""
-        return self.files.load(self._info(version))
+        info = self._info(version)
+        return self._chained(info, lambda links: self.files.load(info, links))
 
     def config(self, version: int | VersionInfo) -> dict[str, Any]:
         """The version's HF ``config.json`` (verified against the manifest)."""
@@ -155,7 +168,10 @@ class WeightsClient:
         """What vLLM's tensor-parallel rank ``tp_rank`` of ``tp_size`` (expert parallelism
         ``ep``) holds of each tensor, reading and verifying only the blocks that hold it (see
         :meth:`weightcast.client.reader.VersionReader.rank_tensors`)."""
-        return self.files.rank_tensors(self._info(version), tp_rank, tp_size, ep)
+        info = self._info(version)
+        return self._chained(
+            info, lambda links: self.files.rank_tensors(info, tp_rank, tp_size, ep, links)
+        )
 
     def report_loaded(
         self, version: int, error: str = "", via: str = "", read_bytes: int = 0
@@ -172,6 +188,89 @@ class WeightsClient:
 
     def _info(self, version: int | VersionInfo) -> VersionInfo:
         return version if isinstance(version, VersionInfo) else self.info(version)
+
+    def _chained(
+        self, info: VersionInfo, read: Callable[[Sequence[VersionInfo]], dict[str, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        """``read(links)``: with the leased links of a chain from the version held to
+        ``info``'s when there is one that pays, else with none (the reader then reads by
+        delta or in full, and says why no chain)."""
+        base = self.files.base if self.files.keep_base else None
+        if base is None or info.delta_from in (0, base.version) or info.version <= base.version:
+            return read(())
+        links, why = chain_links(info, base.version, self._link_entry, self.files.max_delta_chain)
+        if not why:
+            try:
+                with ChainLease(self, [link.version for link in links]) as leased:
+                    return read(leased)
+            except VersionGone as exc:
+                why = f"a link was evicted ({exc})"
+        tensors = read(())
+        if why and self.files.stats.via == "full":
+            self.files.stats.reason += f"; no chain of deltas: {why}"
+        return tensors
+
+    def _link_entry(self, version: int) -> VersionInfo | None:
+        """The registry entry of ``version`` (live or delta-only), None when it has none."""
+        fields = self.redis.hgetall(self.keys.version(version))
+        try:
+            return VersionInfo.from_fields(version, fields) if fields else None
+        except WeightsError:  # a damaged link: the chain is refused, not the version
+            return None
+
+
+class ChainLease:
+    """Leases on the links of a delta chain (live or delta-only versions), taken in order
+    and renewed by one thread until :meth:`release`; :class:`VersionGone` (the leases taken
+    released) when a link is gone. Entering gives the links' entries as the leases returned
+    them."""
+
+    def __init__(self, client: WeightsClient, versions: Sequence[int]) -> None:
+        self.client = client
+        self.infos: list[VersionInfo] = []
+        try:
+            for version in versions:
+                self.infos.append(self._take(version))
+        except BaseException:
+            self._release()
+            raise
+        self._stop = threading.Event()
+        self._renewer = threading.Thread(target=self._renew, name="weightcast-chain", daemon=True)
+        self._renewer.start()
+
+    def __enter__(self) -> list[VersionInfo]:
+        return self.infos
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        self._stop.set()
+        self._renewer.join()
+        self._release()
+
+    def _take(self, version: int) -> VersionInfo:
+        client = self.client
+        return client.leases.take_link(version, client.node_id, client.lease_ms)
+
+    def _release(self) -> None:
+        for info in self.infos:
+            try:
+                self.client.leases.release(info.version, self.client.node_id)
+            except REDIS_DOWN as exc:
+                log.warning(
+                    "could not remove the lease; it expires by itself",
+                    version=info.version,
+                    error=str(exc),
+                )
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.client.lease_ms / 3000):
+            for info in self.infos:
+                try:
+                    self._take(info.version)
+                except (redis.RedisError, WeightsError) as exc:
+                    log.warning("chain lease renewal failed", version=info.version, error=str(exc))
 
 
 class Lease:

@@ -60,6 +60,15 @@ class Keys:
         return f"{self.tag}:weights:versions"
 
     @property
+    def deltas(self) -> str:
+        """Sorted set of delta-only versions (member and score are the version number): no
+        longer live, their full files removed, their registry entry (:meth:`version`),
+        ``manifest.json``, ``config.json`` and delta file kept, links of a node's delta chain.
+        A version is in :attr:`versions` or here, never in both; ``latest`` and
+        :attr:`versions` mean what they meant before deltas outlived their versions."""
+        return f"{self.tag}:weights:deltas"
+
+    @property
     def next_version(self) -> str:
         """Counter that hands out version numbers with INCR."""
         return f"{self.tag}:weights:next"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from weightcast.contract.untrusted import json_object
 
-VIAS = ("", "delta", "full")
+VIAS = ("", "delta", "chain", "full")
 """How a node got the version it serves (empty: a node that does not say)."""
 
 
@@ -26,7 +26,8 @@ class NodeReport:
     error: str = ""
     """Why the last version offered was not loaded (``follow --vllm-url``); empty if it was."""
     via: str = ""
-    """How the version served was read: ``delta``, ``full`` (empty: not said, older nodes)."""
+    """How the version served was read: ``delta``, ``chain`` (the deltas of several versions
+    in a row), ``full`` (empty: not said, older nodes)."""
     read_bytes: int = 0
     """The bytes read to load it (the delta's frames, or the version's blocks)."""
 
@@ -52,7 +53,7 @@ class NodeReport:
             raise ValueError(f"the node record's error {error!r} is not a string")
         via, read_bytes = record.get("via", ""), record.get("read_bytes", 0)
         if via not in VIAS:
-            raise ValueError(f"the node record's via {via!r} is not one of delta, full")
+            raise ValueError(f"the node record's via {via!r} is not one of delta, chain, full")
         if type(read_bytes) is not int or read_bytes < 0:
             raise ValueError(f"the node record's read_bytes {read_bytes!r} is not an integer >= 0")
         return cls(version, float(at), error, via, read_bytes)

@@ -404,6 +404,16 @@ class PublisherConfig:
         gt=0,
         le=1,
     )
+    delta_window: int = setting(
+        8,
+        "delta-only versions kept beyond the `keep` full ones: an evicted version's full "
+        "files go but its manifest, config and delta stay while it is among the newest this "
+        "many, so a node several versions behind reads the chain of deltas instead of the "
+        "version whole (0: evicted versions go whole, as before)",
+        flag="--delta-window",
+        ge=0,
+        le=1024,
+    )
     leader_ttl_seconds: float = setting(
         10.0,
         "TTL of the publisher lock; a standby takes over within it when the leader dies",
@@ -478,6 +488,15 @@ class FollowConfig:
         2.0, "re-read latest (and re-report the node) this often", flag="--poll-seconds", gt=0
     )
     lease_seconds: float = setting(30.0, "lease time to live", flag="--lease-seconds", gt=0)
+    max_delta_chain: int = setting(
+        16,
+        "a node that keeps its base and is several versions behind applies at most this "
+        "many deltas in a row (when together they are smaller than the version) before it "
+        "reads the version whole; 1 applies only the delta from the version held",
+        flag="--max-delta-chain",
+        ge=1,
+        le=1024,
+    )
     until_version: int = setting(
         0,
         "exit once this version (or a newer one) is loaded; 0 follows forever",

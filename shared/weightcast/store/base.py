@@ -4,8 +4,9 @@ nodes that read them.
 A store holds one directory of files per version (``v17/``: ``manifest.json``, ``config.json``,
 the weights files, the delta), named by the registry's ``path`` relative to the store's root.
 Two transports implement it, one file each: a directory every node mounts
-(:mod:`weightcast.store.directory`) and an S3-compatible object store
-(:mod:`weightcast.store.s3`); :func:`weightcast.store.factory.open_store` picks one from the
+(:mod:`weightcast.store.directory`: the publisher's weights directory itself) and an
+S3-compatible object store (:mod:`weightcast.store.s3`, a :class:`RemoteStore` the publisher
+mirrors each version to); :func:`weightcast.store.factory.open_store` picks one from the
 configured location.
 
 Nodes trust a store no more than they trust a shared directory: a version's files are
@@ -16,7 +17,7 @@ So a store only has to hand over bytes; it promises nothing about them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Protocol, Self
 
@@ -75,9 +76,7 @@ class StoredVersion(Protocol):
 
 
 class Store(ABC):
-    """Where versions live. Nodes call :meth:`open_version`; the publisher, which always
-    writes a version into its local weights directory first (the next delta's base), calls
-    the others."""
+    """Where nodes read versions from."""
 
     label: str
     """The store's root, for logs and messages (never a credential)."""
@@ -93,6 +92,15 @@ class Store(ABC):
         leaves the root is a WeightsError."""
 
     @abstractmethod
+    def close(self) -> None:
+        """Release connections and threads."""
+
+
+class RemoteStore(Store):
+    """A store that is not the publisher's weights directory: the publisher writes each
+    version there first (the next delta's base) and then mirrors it here."""
+
+    @abstractmethod
     def upload_version(self, name: str, local: Path) -> None:
         """Make the complete local version directory ``local`` the store's version ``name``,
         ``manifest.json`` last. Nothing is registered yet: a failure or a kill leaves what
@@ -103,6 +111,11 @@ class Store(ABC):
         """Remove version ``name``'s files (evicted, or never registered)."""
 
     @abstractmethod
+    def trim_version(self, name: str, keep: Collection[str]) -> None:
+        """Remove every file of version ``name`` but those named in ``keep`` (a delta-only
+        version keeps its manifest, config and delta)."""
+
+    @abstractmethod
     def version_names(self) -> list[str]:
         """The names of the version directories the store holds."""
 
@@ -110,7 +123,3 @@ class Store(ABC):
     def remove_unfinished(self) -> int:
         """Remove what an interrupted upload left that is not a version (unfinished
         multipart uploads); how many."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release connections and threads."""

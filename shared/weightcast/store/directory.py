@@ -21,9 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Self
 
-from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import WeightsError
-from weightcast.contract.version_info import dir_version
 from weightcast.store.base import Identity, Store
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -187,10 +185,7 @@ def _is_symlink(name: str, dir_fd: int | None) -> bool:
 
 
 class DirectoryStore(Store):
-    """Versions in a directory: the publisher's weights directory, as each node mounts it.
-
-    The publisher writes each version there itself, so uploading is nothing.
-    """
+    """Versions in a directory: the publisher's weights directory, as each node mounts it."""
 
     def __init__(self, root: Path | str) -> None:
         given = Path(os.path.normpath(Path(root).absolute()))
@@ -207,21 +202,6 @@ class DirectoryStore(Store):
 
     def open_version(self, path: str) -> VersionDir:
         return VersionDir(self.root, registered_parts(path, self.root, self.root_as_given))
-
-    def upload_version(self, name: str, local: Path) -> None:
-        if local.resolve() != self.root / name:
-            raise ValueError(
-                f"{local} is not {self.root / name}: a directory store is written in place"
-            )
-
-    def remove_version(self, name: str) -> None:
-        remove_dir(self.root / plain_name(name, "version directory"))
-
-    def version_names(self) -> list[str]:
-        return sorted(p.name for p in self.root.iterdir() if dir_version(p.name) is not None)
-
-    def remove_unfinished(self) -> int:
-        return 0  # the publisher sweeps its temp directories itself
 
     def close(self) -> None:
         """Nothing is held open between versions."""

@@ -27,7 +27,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -49,7 +49,7 @@ from weightcast.contract.manifest import MANIFEST_NAME
 from weightcast.contract.version_info import dir_version
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Backoff
-from weightcast.store.base import Identity, Store
+from weightcast.store.base import Identity, RemoteStore
 from weightcast.store.directory import plain_name
 from weightcast.store.s3_replies import store_error
 
@@ -110,7 +110,7 @@ class S3Location:
         return f"s3://{self.bucket}/{self.prefix}"
 
 
-class S3Store(Store):
+class S3Store(RemoteStore):
     """Versions in ``s3://bucket/prefix`` (see the module doc)."""
 
     def __init__(self, location: S3Location, concurrency: int = 16, retry_seconds: float = 60.0):
@@ -265,12 +265,20 @@ class S3Store(Store):
 
     def remove_version(self, name: str) -> None:
         prefix = self.key(plain_name(name, "version directory"), "")
-        for batch in _batches(self._keys(prefix), 1000):
+        self._delete(self._keys(prefix), prefix)
+
+    def _delete(self, keys: Iterable[str], prefix: str) -> None:
+        for batch in _batches(keys, 1000):
             objects = {"Objects": [{"Key": k} for k in batch], "Quiet": True}
             self.call(
-                f"removing {prefix}",
+                f"removing objects under {prefix}",
                 partial(self.client.delete_objects, Bucket=self.bucket, Delete=objects),
             )
+
+    def trim_version(self, name: str, keep: Collection[str]) -> None:
+        prefix = self.key(plain_name(name, "version directory"), "")
+        extra = [k for k in self._keys(prefix) if k[len(prefix) :] not in keep]
+        self._delete(extra, prefix)
 
     def version_names(self) -> list[str]:
         # From the keys, not from a delimited listing: some servers (SeaweedFS) list a
@@ -432,7 +440,9 @@ def _ranges(buffers: Sequence[memoryview], offset: int) -> Iterator[tuple[int, l
         yield at, views
 
 
-def _batches(items: Iterator[str], size: int) -> Iterator[list[str]]:
+def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
+    """``items`` in lists of ``size`` (the last may be shorter): Python 3.11 has no
+    ``itertools.batched``."""
     batch: list[str] = []
     for item in items:
         batch.append(item)
