@@ -43,6 +43,7 @@ from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.contract.version_info import version_dir_name
+from weightcast.store.base import PartUpload, RemoteStore
 from weightcast_publisher.delta_writer import DeltaSink, find_base
 from weightcast_publisher.safetensors_writer import (
     NonFiniteTensor,
@@ -93,12 +94,47 @@ class Published:
     """Why the version has no delta although it had a base ('' when it has one, or no base)."""
     no_delta_kind: str = ""
     """That reason in a word (``delta_writer.DROP_*``)."""
+    uploaded: frozenset[str] = frozenset()
+    """The files already in the object store: sent as they were written."""
+
+
+class Uploads:
+    """The version's weights files sent to the object store as the writer writes them (no
+    second pass over their bytes); the rest are uploaded from the directory afterwards."""
+
+    def __init__(self, remote: RemoteStore | None, version: int) -> None:
+        self.remote = remote
+        self.name = version_dir_name(version)
+        self.done: set[str] = set()
+        self.open: list[PartUpload] = []
+
+    def start(self, file: str) -> PartUpload | None:
+        if self.remote is None:
+            return None
+        upload = self.remote.open_upload(self.name, file)
+        self.open.append(upload)
+        return upload
+
+    def finish(self, file: str, upload: PartUpload | None) -> None:
+        if upload is not None:
+            upload.complete()
+            self.open.remove(upload)
+            self.done.add(file)
+
+    def abort(self) -> None:
+        for upload in self.open:
+            upload.abort()
 
 
 def convert(
-    snapshot: Snapshot, weights_dir: Path, version: int, options: ConvertOptions | None = None
+    snapshot: Snapshot,
+    weights_dir: Path,
+    version: int,
+    options: ConvertOptions | None = None,
+    remote: RemoteStore | None = None,
 ) -> Published:
-    """Write ``snapshot`` as version ``version`` in ``weights_dir``.
+    """Write ``snapshot`` as version ``version`` in ``weights_dir``; its weights files also
+    to ``remote`` as they are written (the rest is the publisher's to upload).
 
     Raises :class:`CorruptSnapshot` for a snapshot that cannot be published (the daemon
     quarantines it), LayoutError for a tp vLLM would refuse for this model (the setting is
@@ -113,8 +149,9 @@ def convert(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     sink = _delta_sink(weights_dir, tmp, version, plan, options) if options.delta else None
+    uploads = Uploads(remote, version)
     try:
-        files, linked = _write_files(tmp, plan, source, config, options.digest, sink)
+        files, linked = _write_files(tmp, plan, source, config, options.digest, sink, uploads)
         delta = sink.finish() if sink is not None else None
         if delta is not None:
             files.append(delta[1])
@@ -126,6 +163,7 @@ def convert(
         fsync_path(tmp)
         publish_dir(tmp, final)
     except BaseException as exc:
+        uploads.abort()
         if sink is not None:
             sink.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -135,7 +173,10 @@ def convert(
             raise CorruptSnapshot(f"a data file is shorter than its header says: {exc}") from None
         raise
     dropped = ("", "") if sink is None else (sink.reason, sink.kind)
-    return Published(final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped)
+    done = frozenset(uploads.done)
+    return Published(
+        final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped, done
+    )
 
 
 def _plan(source: Source, config: dict[str, Any], options: ConvertOptions) -> VersionPlan:
@@ -162,18 +203,20 @@ def _write_files(
     config: dict[str, Any],
     digest: str,
     sink: DeltaSink | None = None,
+    uploads: Uploads | None = None,
 ) -> tuple[list[FileEntry], int]:
     """Every file of the version, in ``tmp``; their manifest entries and how many linked.
-    The listed weights files feed ``sink``, the delta."""
+    The listed weights files feed ``sink``, the delta; the written ones ``uploads``."""
+    uploads = uploads or Uploads(None, 0)
     if plan.hf_dir:
         (tmp / plan.hf_dir).mkdir()
-    files = [_write(tmp, planned, source, digest, plan.tp, sink) for planned in plan.fused]
+    files = [_write(tmp, planned, source, digest, plan.tp, sink, uploads) for planned in plan.fused]
     linked = 0
     hf_sink = None if plan.fused else sink
     for planned in plan.hf:
         entry = _link(tmp, planned, source, digest, hf_sink)
         linked += entry is not None
-        files.append(entry or _write(tmp, planned, source, digest, 1, hf_sink))
+        files.append(entry or _write(tmp, planned, source, digest, 1, hf_sink, uploads))
     if plan.hf:
         hf_dir = f"{plan.hf_dir}/" if plan.hf_dir else ""
         weight_map = dict(sorted(plan.hf_index.items()))
@@ -194,8 +237,10 @@ def _write(
     digest: str,
     tp: int = 1,
     sink: DeltaSink | None = None,
+    uploads: Uploads | None = None,
 ) -> FileEntry:
-    """Write ``planned``; with ``tp`` > 1 its blocks are cut between the ranks' rows."""
+    """Write ``planned`` (to the object store too, through ``uploads``); with ``tp`` > 1 its
+    blocks are cut between the ranks' rows."""
     outputs = [
         OutputTensor(
             t.name,
@@ -206,7 +251,11 @@ def _write(
         )
         for t in planned.tensors
     ]
-    return write_safetensors(tmp / planned.name, outputs, digest, planned.name, sink)
+    upload = uploads.start(planned.name) if uploads is not None else None
+    entry = write_safetensors(tmp / planned.name, outputs, digest, planned.name, sink, upload)
+    if uploads is not None:
+        uploads.finish(planned.name, upload)
+    return entry
 
 
 def rank_rows(tensor: PlannedTensor, tp: int) -> tuple[tuple[int, int], ...]:

@@ -278,7 +278,7 @@ class Publisher:
         start = time.perf_counter()
         version = self.registry.allocate_version()
         try:
-            published = convert(snapshot, self.weights_dir, version, self.options)
+            published = self.convert(snapshot, version)
         except CorruptSnapshot as exc:
             info = snapshot.info
             self.quarantine(snapshot.path, info.snapshot_id, str(exc), info.step, snapshot.dir_id)
@@ -322,15 +322,28 @@ class Publisher:
             no_delta=published.no_delta,
         )
 
+    def convert(self, snapshot: Snapshot, version: int) -> Published:
+        """Write the version here (and its weights files to the store as they are written);
+        whatever fails leaves nothing of it in the store."""
+        try:
+            return convert(snapshot, self.weights_dir, version, self.options, self.remote)
+        except BaseException:
+            if self.remote is not None:
+                with contextlib.suppress(WeightcastError):
+                    self.remote.remove_version(version_dir_name(version))
+            raise
+
     def upload(self, version: int, published: Published) -> None:
-        """Put the version in the store (nothing to do when the store is the weights
-        directory). On failure the version is removed, here and there, and the snapshot is
-        published again at the next round."""
+        """Put the rest of the version in the store (nothing to do when the store is the
+        weights directory), ``manifest.json`` last. On failure the version is removed, here
+        and there, and the snapshot is published again at the next round."""
         if self.remote is None:
             return
         start = time.perf_counter()
         try:
-            self.remote.upload_version(version_dir_name(version), published.path)
+            self.remote.upload_version(
+                version_dir_name(version), published.path, published.uploaded
+            )
         except BaseException:
             with contextlib.suppress(WeightcastError):
                 self.remove_version(version)

@@ -58,6 +58,7 @@ from weightcast.contract.tensorfile import (
     encode_header,
     file_order,
 )
+from weightcast.store.base import PartUpload
 
 BUFFER_BYTES = 16 * 1024 * 1024
 BUFFERS = 6
@@ -155,10 +156,12 @@ def write_safetensors(
     digest: str,
     name: str | None = None,
     sinks: FileSinks | None = None,
+    upload: PartUpload | None = None,
 ) -> FileEntry:
     """Write ``tensors`` to a new file at ``path``, fsync it; its manifest entry (``name``,
-    default the file's name), each of its buffers also handed to ``sinks``' sink for it.
-    Raises :class:`NonFiniteTensor` for a NaN or infinity."""
+    default the file's name), each of its buffers also handed to ``sinks``' sink for it and,
+    once written, sent as a part of ``upload`` (the object store's copy: no second pass
+    over the file). Raises :class:`NonFiniteTensor` for a NaN or infinity."""
     ordered = {t.name: t for t in tensors}
     order = [ordered[n] for n, _ in file_order((t.name, t.dtype) for t in tensors)]
     for t in order:
@@ -177,7 +180,7 @@ def write_safetensors(
     fd, direct = _open_output(path)
     try:
         with _Pipeline(
-            at, spans, digest, fd, direct, lengths, sinks, name or path.name
+            at, spans, digest, fd, direct, lengths, sinks, name or path.name, upload
         ) as pipeline:
             pipeline.append(memoryview(header))
             for t in order:
@@ -279,8 +282,10 @@ class _Pipeline:
         lengths: list[int] | None = None,
         sinks: FileSinks | None = None,
         name: str = "",
+        upload: PartUpload | None = None,
     ) -> None:
         self.size = size
+        self.upload = upload
         self.algorithm = digest
         self.lengths = lengths
         self.fd, self.direct = fd, direct
@@ -514,6 +519,9 @@ class _Pipeline:
         while (item := self.to_write.get()) is not None:
             index, offset, n = item
             try:
+                if self.error is None and self.upload is not None:
+                    with memoryview(self.buffers[index]) as view:
+                        self.upload.part(offset // BUFFER_BYTES + 1, view[:n])
                 if self.error is None and self.fd is not None:
                     self._write(memoryview(self.buffers[index]), offset, n)
             except BaseException as exc:  # handed to the filling thread

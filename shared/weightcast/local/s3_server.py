@@ -104,6 +104,10 @@ def _server_env() -> dict[str, str]:
     }
 
 
+VOLUME_SLOTS = 1000
+VOLUME_MB = 256
+
+
 class S3Server:
     """Runs ``weed mini`` bound to 127.0.0.1 with its files in ``data_dir``; ``bucket`` exists
     once :meth:`start` returns. Use as a context manager.
@@ -162,6 +166,12 @@ class S3Server:
             "-s3.port.lance=0",
             "-webdav=false",
             "-admin.ui=false",
+            # Each bucket is a collection that takes volumes of its own; by default their
+            # number follows the free disk space, and on a nearly full disk the eighth bucket
+            # finds none ("No writable volumes and no free volumes left", a 500 to every
+            # PUT). Volumes are files that grow as they fill: allow many small ones.
+            f"-volume.max={VOLUME_SLOTS}",
+            f"-master.volumeSizeLimitMB={VOLUME_MB}",
         ]
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(

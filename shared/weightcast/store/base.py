@@ -96,14 +96,36 @@ class Store(ABC):
         """Release connections and threads."""
 
 
+class PartUpload(Protocol):
+    """One file of a version sent part by part as the publisher's writer produces it."""
+
+    def part(self, number: int, data: bytes | memoryview) -> None:
+        """Send part ``number`` (1-based, any order, every part but the last of one size);
+        ``data`` may be reused by the caller once this returns."""
+        ...
+
+    def complete(self) -> None:
+        """Every part was given: the file exists in the store from now on."""
+        ...
+
+    def abort(self) -> None:
+        """Give the file up (best effort)."""
+        ...
+
+
 class RemoteStore(Store):
     """A store that is not the publisher's weights directory: the publisher writes each
     version there first (the next delta's base) and then mirrors it here."""
 
     @abstractmethod
-    def upload_version(self, name: str, local: Path) -> None:
-        """Make the complete local version directory ``local`` the store's version ``name``,
-        ``manifest.json`` last. Nothing is registered yet: a failure or a kill leaves what
+    def open_upload(self, name: str, file: str) -> PartUpload:
+        """Start sending ``file`` of version ``name`` as it is written."""
+
+    @abstractmethod
+    def upload_version(self, name: str, local: Path, uploaded: Collection[str] = ()) -> None:
+        """Make the complete local version directory ``local`` the store's version ``name``:
+        its files but those ``uploaded`` already (:meth:`open_upload`), ``manifest.json``
+        last. Nothing is registered yet: a failure or a kill leaves what
         :meth:`remove_version` and :meth:`remove_unfinished` remove."""
 
     @abstractmethod

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -58,6 +58,8 @@ log = get_logger("store")
 
 PART_BYTES = 16 * 1024 * 1024
 """Bytes per multipart part and per ranged GET at most."""
+UPLOAD_SLOTS = 6
+"""Parts of one object a writer may have in flight as it writes (a copy each: 96 MiB)."""
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 URL_OPTIONS = ("endpoint_url", "region", "addressing_style")
 
@@ -135,6 +137,7 @@ class S3Store(RemoteStore):
             config=config,
         )
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="weightcast-s3")
+        self.upload_slots = UPLOAD_SLOTS
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -187,17 +190,21 @@ class S3Store(RemoteStore):
 
     # The publisher
 
-    def upload_version(self, name: str, local: Path) -> None:
+    def upload_version(self, name: str, local: Path, uploaded: Collection[str] = ()) -> None:
         plain_name(name, "version directory")
         files = sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file())
         files.sort(key=lambda p: p == Path(MANIFEST_NAME))  # last: the version is complete
         for file in files:
-            names = [plain_name(part, "file") for part in file.parts]
-            self.upload_file(local / file, self.key(name, *names))
+            if file.as_posix() not in uploaded:
+                self.upload_file(local / file, self.key(name, *_plain_parts(file.as_posix())))
+
+    def open_upload(self, name: str, file: str) -> MultipartUpload:
+        plain_name(name, "version directory")
+        return MultipartUpload(self, self.key(name, *_plain_parts(file)), self.upload_slots)
 
     def upload_file(self, path: Path, key: str) -> None:
         """One local file as the object ``key``: a plain PUT when it fits one part, else a
-        multipart upload with parts sent in parallel from ``concurrency`` buffers."""
+        :class:`MultipartUpload` of its parts."""
         size = path.stat().st_size
         with open(path, "rb", buffering=0) as f:
             if size <= PART_BYTES:
@@ -207,61 +214,14 @@ class S3Store(RemoteStore):
                     partial(self.client.put_object, Bucket=self.bucket, Key=key, Body=body),
                 )
                 return
-            upload = self.call(
-                f"starting the upload of {key}",
-                partial(self.client.create_multipart_upload, Bucket=self.bucket, Key=key),
-            )["UploadId"]
+            upload = MultipartUpload(self, key, self.concurrency)
             try:
-                parts = self._parts(f.fileno(), size, key, upload)
-                self.call(
-                    f"completing the upload of {key}",
-                    partial(
-                        self.client.complete_multipart_upload,
-                        Bucket=self.bucket,
-                        Key=key,
-                        UploadId=upload,
-                        MultipartUpload={"Parts": parts},
-                    ),
-                )
+                for number, offset in enumerate(range(0, size, PART_BYTES), start=1):
+                    upload.part(number, os.pread(f.fileno(), PART_BYTES, offset))
+                upload.complete()
             except BaseException:
-                with contextlib.suppress(WeightcastError):  # else removed at the next start
-                    self.call(
-                        f"aborting the upload of {key}",
-                        partial(
-                            self.client.abort_multipart_upload,
-                            Bucket=self.bucket,
-                            Key=key,
-                            UploadId=upload,
-                        ),
-                    )
+                upload.abort()
                 raise
-
-    def _parts(self, fd: int, size: int, key: str, upload: str) -> list[dict[str, object]]:
-        slots = threading.Semaphore(self.concurrency)
-
-        def send(number: int, offset: int) -> dict[str, object]:
-            try:
-                body = os.pread(fd, min(PART_BYTES, size - offset), offset)
-                answer = self.call(
-                    f"uploading part {number} of {key}",
-                    partial(
-                        self.client.upload_part,
-                        Bucket=self.bucket,
-                        Key=key,
-                        UploadId=upload,
-                        PartNumber=number,
-                        Body=body,
-                    ),
-                )
-                return {"PartNumber": number, "ETag": answer["ETag"]}
-            finally:
-                slots.release()
-
-        futures = []
-        for number, offset in enumerate(range(0, size, PART_BYTES), start=1):
-            slots.acquire()
-            futures.append(self.pool.submit(send, number, offset))
-        return [future.result() for future in futures]
 
     def remove_version(self, name: str) -> None:
         prefix = self.key(plain_name(name, "version directory"), "")
@@ -316,6 +276,83 @@ class S3Store(RemoteStore):
             if not page.get("IsTruncated"):
                 return
             token = {"ContinuationToken": page["NextContinuationToken"]}
+
+
+class MultipartUpload:
+    """One object sent in parts as its bytes come (from a file, or from the publisher's writer
+    as it writes them): each part goes out on the store's pool at once, at most ``slots``
+    parts in flight (a part beyond that waits: memory stays bounded), and the object exists
+    only once :meth:`complete` succeeds. Parts may come in any order."""
+
+    def __init__(self, store: S3Store, key: str, slots: int) -> None:
+        self.store = store
+        self.key = key
+        self.slots = threading.BoundedSemaphore(slots)
+        self.sent: list[Future[dict[str, object]]] = []
+        answer = store.call(
+            f"starting the upload of {key}",
+            partial(store.client.create_multipart_upload, Bucket=store.bucket, Key=key),
+        )
+        self.upload_id = str(answer["UploadId"])
+
+    def part(self, number: int, data: bytes | memoryview) -> None:
+        """Send part ``number`` (1-based; every part but the last at least 5 MiB, S3's rule);
+        ``data`` is copied first when the caller reuses its buffer (a memoryview)."""
+        body = data if isinstance(data, bytes) else bytes(data)
+        self.slots.acquire()
+        for done in [f for f in self.sent if f.done()]:
+            done.result()  # a failed part fails the upload now, not at the end
+        try:
+            self.sent.append(self.store.pool.submit(self._send, number, body))
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def _send(self, number: int, body: bytes) -> dict[str, object]:
+        try:
+            answer = self.store.call(
+                f"uploading part {number} of {self.key}",
+                partial(
+                    self.store.client.upload_part,
+                    Bucket=self.store.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                    PartNumber=number,
+                    Body=body,
+                ),
+            )
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+        finally:
+            self.slots.release()
+
+    def complete(self) -> None:
+        parts = sorted((f.result() for f in self.sent), key=lambda p: int(str(p["PartNumber"])))
+        self.store.call(
+            f"completing the upload of {self.key}",
+            partial(
+                self.store.client.complete_multipart_upload,
+                Bucket=self.store.bucket,
+                Key=self.key,
+                UploadId=self.upload_id,
+                MultipartUpload={"Parts": parts},
+            ),
+        )
+
+    def abort(self) -> None:
+        """Give the upload up (best effort: what remains is removed at the next start)."""
+        for future in self.sent:
+            future.cancel()
+        wait(self.sent)
+        with contextlib.suppress(WeightcastError):
+            self.store.call(
+                f"aborting the upload of {self.key}",
+                partial(
+                    self.store.client.abort_multipart_upload,
+                    Bucket=self.store.bucket,
+                    Key=self.key,
+                    UploadId=self.upload_id,
+                ),
+            )
 
 
 class S3Version:
@@ -451,3 +488,8 @@ def _batches(items: Iterable[str], size: int) -> Iterator[list[str]]:
             batch = []
     if batch:
         yield batch
+
+
+def _plain_parts(file: str) -> list[str]:
+    """A version's file (``model.vllm-fused``, ``hf/config.json``) as plain names."""
+    return [plain_name(part, "file") for part in file.split("/")]
