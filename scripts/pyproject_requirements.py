@@ -5,6 +5,10 @@ reinstall the dependencies (`pip install .` needs the source; this needs only py
 Self-references such as ``weightcast[trainer,publisher]`` in an extra are expanded.
 
     python scripts/pyproject_requirements.py pyproject.toml trainer,publisher
+    python scripts/pyproject_requirements.py pyproject.toml s3-server --extras-only
+
+``--extras-only``: the extras' own requirements, without the core dependencies (an image
+that runs only what an extra brings, such as s3.Dockerfile's ``weed``).
 """
 
 import re
@@ -12,15 +16,16 @@ import sys
 import tomllib
 
 
-def requirements(project: dict, extras: list[str]) -> list[str]:
-    """The core dependencies plus those of ``extras``, in order, each once.
+def requirements(project: dict, extras: list[str], core: bool = True) -> list[str]:
+    """The core dependencies (unless ``core`` is false) plus those of ``extras``, in order,
+    each once.
 
     An unknown extra is an error: a renamed extra must not leave an image without the
     dependencies it was meant to bring.
     """
     self_reference = re.compile(rf"{re.escape(project['name'])}\[([^\]]*)\]")
     optional = project.get("optional-dependencies", {})
-    found = list(project.get("dependencies", []))
+    found = list(project.get("dependencies", [])) if core else []
     seen: set[str] = set()
     todo = list(extras)
     while todo:
@@ -43,4 +48,4 @@ if __name__ == "__main__":
     with open(sys.argv[1], "rb") as f:
         project = tomllib.load(f)["project"]
     extras = [name for name in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if name]
-    print("\n".join(requirements(project, extras)))
+    print("\n".join(requirements(project, extras, core="--extras-only" not in sys.argv[3:])))

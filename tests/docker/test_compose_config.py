@@ -18,18 +18,23 @@ pytestmark = pytest.mark.docker
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 LOOP = {"redis", "trainer", "publisher", "producer", "follower"}
 VLLM = {"inference", "vllm-follower"}
+S3 = {"s3", "s3-follower"}
 GPU_FILES = ("compose.yaml", "compose.gpu.yaml")
 
 
 def compose_config(compose_cli: list[str], files: tuple[str, ...], variables: dict, *argv: str):
     """`config` run in the repository with only ``variables`` set over an environment cleared
-    of COMPOSE_* and WEIGHTCAST_* (so the committed .env applies)."""
+    of COMPOSE_* and WEIGHTCAST_* (so the committed .env applies; ``ENV_FILE`` among the
+    variables: `--env-file` that file instead)."""
     env = {
         name: value
         for name, value in os.environ.items()
         if not name.startswith(("COMPOSE_", "WEIGHTCAST_"))
     }
-    files_argv = [arg for f in files for arg in ("-f", f)]
+    variables = dict(variables)
+    env_file = variables.pop("ENV_FILE", None)
+    files_argv = ["--env-file", env_file] if env_file else []
+    files_argv += [arg for f in files for arg in ("-f", f)]
     return run(*compose_cli, *files_argv, "config", *argv, cwd=REPO, env=env | variables).stdout
 
 
@@ -118,3 +123,39 @@ def test_vllm_profile_serves_vllm_with_weightcast_and_follows_it(compose_cli) ->
     assert follower["depends_on"]["inference"]["condition"] == "service_healthy"
     mounts = {m["source"]: m["target"] for m in inference["volumes"]}
     assert mounts["weights"] == follower["environment"]["WEIGHTCAST_WEIGHTS_DIR"]
+
+
+def test_the_s3_env_file_adds_an_s3_server_and_a_follower_with_no_weights_volume(
+    compose_cli,
+) -> None:
+    """`docker compose --env-file s3.env up`: the demo loop plus the s3 profile; every
+    weightcast service gets the bucket, and the s3 follower has no volume at all."""
+    assert services(compose_cli, ENV_FILE="s3.env") == LOOP | S3
+    resolved = config(compose_cli, ENV_FILE="s3.env")["services"]
+    for name in LOOP - {"redis"} | {"s3-follower"}:
+        env = resolved[name]["environment"]
+        assert env["WEIGHTCAST_WEIGHTS_URL"] == "s3://weights/demo", name
+        assert env["WEIGHTCAST_S3_ENDPOINT_URL"] == "http://s3:8333", name
+        assert env["WEIGHTCAST_S3_ADDRESSING_STYLE"] == "path", name
+        assert env["AWS_ACCESS_KEY_ID"] == "weightcast", name
+    follower = resolved["s3-follower"]
+    assert not follower.get("volumes"), follower.get("volumes")
+    assert follower["depends_on"]["s3"]["condition"] == "service_healthy"
+    s3 = resolved["s3"]
+    assert s3["build"]["dockerfile"] == "s3.Dockerfile"
+    assert [m["source"] for m in s3["volumes"]] == ["s3-data"]
+    assert not any(k.startswith("AWS_") for k in s3.get("environment") or {})  # weed: no identity
+    # without it nothing changes: no S3 service, the weights volume, no keys
+    plain = config(compose_cli)["services"]
+    assert services(compose_cli) == LOOP
+    assert plain["publisher"]["environment"]["WEIGHTCAST_WEIGHTS_URL"] == ""
+    assert plain["publisher"]["environment"]["AWS_ACCESS_KEY_ID"] == ""
+    # the shell's AWS keys never reach a container
+    keyed = config(compose_cli, AWS_ACCESS_KEY_ID="AKIASHELL", AWS_SECRET_ACCESS_KEY="secret")
+    assert "AKIASHELL" not in json.dumps(keyed)
+
+
+def test_the_s3_profile_on_the_gpu_override_runs_the_gpu_image(compose_cli) -> None:
+    resolved = config(compose_cli, *GPU_FILES, ENV_FILE="s3.env")["services"]
+    assert resolved["s3-follower"]["image"] == "weightcast:gpu"
+    assert resolved["s3"]["image"] == "weightcast:s3-server"

@@ -1,6 +1,8 @@
 """Plain `docker compose up` for real, on CPU: the committed .env's demo profile runs the whole
 loop from an image built from this checkout. The trainer is restarted in the middle, every
-batch is accounted for at the end, and plain `docker compose down -v` leaves nothing behind.
+batch is accounted for at the end; then `--env-file s3.env up -d` moves the same stack to the
+s3 profile's bucket, which a follower with no volume follows, and `down -v` (with s3.env)
+leaves nothing behind.
 The engine, base images and torch wheel come from conftest.py / compose_harness.py.
 """
 
@@ -56,6 +58,7 @@ def compose_environment(images: dict[str, str], torch: dict[str, str], port: int
         "COMPOSE_BAKE": "false",  # Compose 2.40 would ask for buildx
         "WEIGHTCAST_IMAGE": IMAGE,
         "WEIGHTCAST_REDIS_PORT": f"127.0.0.1:{port}",
+        "WEIGHTCAST_S3_PORT": f"127.0.0.1:{free_port()}",  # the s3 profile's server
         "WEIGHTCAST_TRAINER_PUBLISH_EVERY": "5",  # versions twice as often as the default
     }
 
@@ -72,11 +75,12 @@ class Stack:
         ]["WEIGHTCAST_NAMESPACE"]
         self.keys = Keys(namespace)
         self.timings: dict[str, float] = {}
+        self.env_file: list[str] = []
+        """``["--env-file", "s3.env"]`` once the s3 test switched the stack to the bucket."""
 
     def compose(self, *argv: str, timeout: float = 600, check: bool = True):
-        return run(
-            *self.engine.compose, *argv, cwd=REPO, env=self.env, timeout=timeout, check=check
-        )
+        command = [*self.engine.compose, *self.env_file, *argv]
+        return run(*command, cwd=REPO, env=self.env, timeout=timeout, check=check)
 
     def containers(self) -> dict[str, dict[str, Any]]:
         """service -> `docker inspect` of its container (stopped ones included)."""
@@ -190,7 +194,7 @@ def stack(engine: Engine, base_images, torch_build_args) -> Iterator[Stack]:
             "volumes": run(engine.docker, "volume", "ls", "-q", "--filter", label).stdout.split(),
             "networks": run(engine.docker, "network", "ls", "-q", "--filter", label).stdout.split(),
         }
-        assert not any(left.values()), f"plain `docker compose down -v` left {left}"
+        assert not any(left.values()), f"`docker compose down -v` left {left}"
 
 
 def test_compose_up_runs_the_whole_loop_and_survives_a_trainer_restart(stack: Stack) -> None:
@@ -265,3 +269,46 @@ def test_compose_up_runs_the_whole_loop_and_survives_a_trainer_restart(stack: St
     logs = s.logs()
     for bad in ("Traceback", '"level": "error"', '"level": "critical"'):
         assert bad not in logs, f"{bad} in the containers' logs ({STATE / 'compose-logs.txt'})"
+
+
+def test_the_s3_env_file_moves_the_running_stack_to_a_bucket_a_volume_less_node_follows(
+    stack: Stack,
+) -> None:
+    """`docker compose --env-file s3.env up -d` over the stack the test above leaves (trainer
+    and producer stopped): the s3 profile's SeaweedFS starts, the weightcast services are
+    recreated with the bucket, and `s3-follower`, which mounts nothing, loads a version the
+    publisher uploaded after the switch. The teardown's `down -v` then takes s3.env too."""
+    s = stack
+    latest_before = s.latest()
+    s.env_file = ["--env-file", "s3.env"]
+    started = time.monotonic()
+    s.compose("up", "-d", timeout=900)
+    s.timings["up -d (s3.env)"] = round(time.monotonic() - started, 1)
+    containers = s.containers()
+    assert containers["s3-follower"]["Mounts"] == [], containers["s3-follower"]["Mounts"]
+
+    def follower_on_a_bucket_version() -> bool:
+        record = s.redis.hget(s.keys.nodes, "s3-follower")
+        return record is not None and json.loads(record)["version"] > latest_before
+
+    s.wait(
+        "the s3 follower on a version uploaded after the switch", follower_on_a_bucket_version, 900
+    )
+    states = s.states()
+    assert states["s3"].startswith("healthy") and states["s3-follower"].startswith("running"), (
+        states
+    )
+    registered = {int(v) for v in s.redis.zrange(s.keys.versions, 0, -1)}
+    uploaded = [e["version"] for e in s.events("publisher", "uploaded version")]
+    assert uploaded and min(uploaded) > latest_before, uploaded
+    assert registered & set(uploaded), (registered, uploaded)
+    follower_log = s.logs("s3-follower")
+    assert "s3://weights/demo/" in follower_log
+    # The version registered before the switch lives on the weights volume, not in the bucket:
+    # the node refuses it in one line (missing object) and loads the next, staying up.
+    refused = s.events("s3-follower", "refusing version")
+    assert all(r["version"] <= latest_before and "404" in r["reason"] for r in refused), refused
+    assert "Traceback" not in follower_log
+    publisher_log = s.logs("publisher")
+    for bad in ("Traceback", '"level": "error"', '"level": "critical"'):
+        assert bad not in publisher_log, bad

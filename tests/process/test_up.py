@@ -10,6 +10,8 @@ import random
 import re
 import signal
 import subprocess
+import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -18,14 +20,18 @@ import redis
 import torch
 
 from weightcast.contract.keys import TRAINER_GROUP, Keys
-from weightcast.contract.manifest import Manifest, sha256_file, verify_files
+from weightcast.contract.manifest import Manifest, sha256_bytes, sha256_file, verify_files
+from weightcast.contract.nodes import NodeReport
 from weightcast.contract.sharding import ShardKind
 from weightcast.local.redis_server import RedisServer
+from weightcast.local.s3_server import S3Server
+from weightcast.local.up import FOLLOWER_ID, NODE_WEIGHTS_DIR
 from weightcast.runtime.config import TrainerConfig
 
 from helpers.files import REPO
 from helpers.models import save_pretrained_qwen3
 from helpers.processes import clean_env, run_weightcast, stop, weightcast
+from helpers.s3 import s3_client
 
 
 def processes_mentioning(text: str) -> list[int]:
@@ -386,3 +392,82 @@ def test_up_runs_the_loop_on_a_tiny_mixture_of_experts(
         for w in ("w13_weight", "w2_weight")
     }
     assert (manifest.tp, manifest.ep) == (1, 1)
+
+
+def test_up_with_store_s3_runs_the_loop_through_a_private_bucket(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    """``up --store s3``: a private SeaweedFS beside the processes; the publisher uploads
+    every version to its bucket and the node, whose weights directory is its own and stays
+    empty, loads them from the bucket alone. Stopped with the rest; its data stays in the
+    run directory, where a new server over it shows the live versions whole."""
+    result = run_up(redis_server, keys, tmp_path, "--store", "s3", "--steps", "6")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "started a private S3 server (SeaweedFS)" in out, out
+    published = re.search(r"trained 6 steps; (\d+) versions published", out)
+    assert published, out
+    last = int(published[1])
+    assert f"the inference node loaded v{last}; 0 batches dead-lettered" in out, out
+    (run_dir,) = tmp_path.iterdir()
+    logs = run_dir / "logs"
+    assert "weights=s3://weights/run/" in (logs / "follower.log").read_text()
+    assert (logs / "publisher.log").read_text().count("uploaded version") == last
+    report = NodeReport.parse(client.hget(keys.nodes, FOLLOWER_ID))
+    assert report.version == last and report.read_bytes > 0, report
+    assert list((run_dir / NODE_WEIGHTS_DIR).iterdir()) == []  # the node had no directory
+    assert not processes_mentioning(str(run_dir))  # the S3 server stopped with the rest
+
+    live = sorted(int(v) for v in client.zrange(keys.versions, 0, -1))
+    assert live == [last - 1, last]
+    with S3Server(run_dir / "s3", grace=3.0) as server:
+        listed = s3_client(server).list_objects_v2(Bucket="weights", Prefix="run/")
+        names = {o["Key"] for o in listed["Contents"]}
+        for version in live:
+            registered = client.hget(keys.version(version), "manifest_sha256").decode()
+            body = s3_client(server).get_object(
+                Bucket="weights", Key=f"run/v{version}/manifest.json"
+            )
+            assert sha256_bytes(body["Body"].read()) == registered
+    assert {name.split("/")[1] for name in names} == {f"v{v}" for v in live}, names
+
+
+def test_up_with_store_s3_names_the_extra_when_weed_is_missing(tmp_path: Path) -> None:
+    """An environment without SeaweedFS (a venv of this Python's packages, no ``weed`` beside
+    its Python nor on PATH): one line naming the extra, exit 2, nothing started."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    ours = sysconfig.get_paths()["purelib"]
+    (Path(site) / "ours.pth").write_text(f"import site; site.addsitedir({ours!r})\n")
+    path = os.pathsep.join(
+        p for p in os.environ["PATH"].split(os.pathsep) if not (Path(p) / "weed").exists()
+    )
+    env = {**clean_env(), "PATH": path}
+    done = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "weightcast",
+            "up",
+            "--store",
+            "s3",
+            "--workdir",
+            str(tmp_path / "runs"),
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "pip install 'weightcast[s3-server]'" in line, line
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())

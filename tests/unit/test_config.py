@@ -124,6 +124,7 @@ BAD_SETTINGS = [
     (["status", "--log-format", "xml"], "log_format (from --log-format) must be one of text"),
     (["status", "--redis-url", "http://x:1"], "must be a redis://, rediss:// or unix:// URL"),
     (["follow", "--poll-seconds", "0"], "follow.poll_seconds (from --poll-seconds) must be > 0"),
+    (["up", "--store", "nfs"], "up.store (from --store) must be one of directory, s3"),
 ]
 
 

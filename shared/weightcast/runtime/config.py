@@ -50,6 +50,7 @@ LOSS = re.compile(r"^(grpo|sft|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 CHECKPOINT_DIR = Path("checkpoints")
 WEIGHTS_DIR = Path("weights")
 UP_WORKDIR = Path(".weightcast/runs")
+UP_STORES = ("directory", "s3")
 
 
 @dataclass(frozen=True)
@@ -598,6 +599,14 @@ class UpConfig:
         "learns the toy task within the default steps)",
         flag="--lr",
         gt=0,
+    )
+    store: str = setting(
+        "directory",
+        "where versions go: directory (the run's weights directory, read by the node) or s3 "
+        "(a private S3 server, SeaweedFS, from the s3-server extra; the node reads only the "
+        "bucket)",
+        flag="--store",
+        choices=UP_STORES,
     )
     vllm_python: str = setting(
         "",
