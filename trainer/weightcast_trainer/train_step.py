@@ -141,12 +141,18 @@ class StepOutcome:
 
 
 def train_step(
-    parts: StepParts, batches: list[RolloutBatch], passes: int, on_policy: list[bool]
+    parts: StepParts,
+    batches: list[RolloutBatch],
+    passes: int,
+    on_policy: list[bool],
+    scored: list[Mismatch | None] | None = None,
 ) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, in ``passes`` forward/backward
     passes (the ones beyond ``batches`` on no batch, with zero weight). For the batches
     ``on_policy`` marks, it also measures the train/inference mismatch
-    (:func:`~weightcast_trainer.loss.logprob_mismatch`) on the logits it computes anyway.
+    (:func:`~weightcast_trainer.loss.logprob_mismatch`) on the logits it computes anyway;
+    ``scored`` holds the mismatch of lagged batches, measured already against the weights
+    that sampled them (:mod:`weightcast_trainer.lagged_mismatch`), read and summed with it.
 
     Each micro-batch's loss (a mean over its trained tokens) is weighted by its share of
     the trained tokens of the whole step on all ranks, so the update is the one a single
@@ -164,6 +170,8 @@ def train_step(
             continue
         scale = tokens[index] * parts.dp_degree / total
         figures.append(forward_backward(parts, batches[index], scale, on_policy[index]))
+        if scored is not None:
+            figures[-1].update(_mismatch_figures(scored[index]))
     grad_norm = dist_utils.clip_grad_norm_(
         list(parts.model.parameters()), parts.max_norm, foreach=True
     )
@@ -198,7 +206,7 @@ def forward_backward(
     """One micro-batch's forward pass, loss and backward pass of the loss times ``scale``;
     its figures (the loss's metrics, ``loss``, ``entropy``, and with ``measure_mismatch``
     the mismatch), not read yet: reading them is the step's one sync."""
-    batch = _to_device(batch, parts.device)
+    batch = to_device(batch, parts.device)
     with parts.forward_context():
         logits = parts.model(batch.input_ids)
         result = parts.loss(logits, batch, parts.loss_settings)
@@ -258,7 +266,8 @@ def _mismatch_figures(mismatch: Mismatch | None) -> dict[str, torch.Tensor]:
     }
 
 
-def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """``batch`` with every tensor on ``device``."""
     return dataclasses.replace(
         batch,
         **{
