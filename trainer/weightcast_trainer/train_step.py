@@ -79,13 +79,13 @@ class StepTotals:
     failed_losses: float = 0.0
     """Micro-batches whose loss was not finite."""
     mismatch_kl: float = 0.0
-    """Summed k3 KL(engine || trainer) of the trained tokens of on-policy batches."""
+    """Summed k3 KL(engine || trainer) of the trained tokens of the batches scored."""
     mismatch_tokens: float = 0.0
     mismatch_max: float = -1.0
     """Largest log-probability difference of those tokens; -1 when there were none."""
 
     def add_mismatch(self, kl: float, tokens: float, max_abs: float) -> None:
-        """One on-policy micro-batch's :class:`~weightcast_trainer.loss.Mismatch`, read."""
+        """One scored micro-batch's :class:`~weightcast_trainer.loss.Mismatch`, read."""
         self.mismatch_kl += kl
         self.mismatch_tokens += tokens
         self.mismatch_max = max(self.mismatch_max, max_abs)
@@ -120,7 +120,7 @@ class StepTotals:
 
     def means(self) -> dict[str, float]:
         """Each metric's mean over the trained tokens that reported it, and the mismatch
-        (``mismatch_kl``: mean KL per token, ``mismatch_max``) when a batch was on-policy."""
+        (``mismatch_kl``: mean KL per token, ``mismatch_max``) when a batch was scored."""
         means = {k: self.weighted[k] / self.weights[k] for k in STEP_METRICS if self.weights[k]}
         if self.mismatch_tokens:
             means["mismatch_kl"] = self.mismatch_kl / self.mismatch_tokens

@@ -2,9 +2,11 @@
 
 ``Trainer`` is torchtitan's ForgeEngine (model, parallelism, optimizer, LR schedule, resume
 checkpointer) plus the pieces weightcast adds: a Redis batch source, a policy loss, the train
-state of applied stream ids, a background snapshot writer and telemetry. What a step computes
-is :mod:`weightcast_trainer.train_step`'s; the loop decides what it trains and what becomes
-of its batches.
+state of applied stream ids, a background snapshot writer, the weights of the steps it
+published last (to score the train/inference mismatch of lagged batches,
+:mod:`weightcast_trainer.lagged_mismatch`) and telemetry. What a step computes is
+:mod:`weightcast_trainer.train_step`'s; the loop decides what it trains and what becomes of
+its batches.
 
 What can go wrong, and what the loop does (docs/trainer.md has the whole story):
 
