@@ -64,6 +64,9 @@ def test_capacity_is_what_the_budget_holds() -> None:
     assert capacity_for(int(2.5 * one), one) == 2
     assert capacity_for(one - 1, one) == 0
     assert capacity_for(0, one) == 0
+    assert capacity_for(100 * one, one, max_policy_lag=2) == 3  # older batches are dropped
+    assert capacity_for(2 * one, one, max_policy_lag=8) == 2
+    assert capacity_for(100 * one, one, max_policy_lag=-1) == 100
 
 
 def test_the_steps_kept_never_exceed_the_capacity_and_hold_the_published_weights() -> None:

@@ -35,9 +35,12 @@ def version_bytes(model: nn.Module) -> int:
     return sum(local_shard(p).numel() * itemsize for p in model.parameters())
 
 
-def capacity_for(budget_bytes: int, one_version: int) -> int:
-    """How many versions of ``one_version`` bytes fit in ``budget_bytes``."""
-    return budget_bytes // one_version if one_version > 0 else 0
+def capacity_for(budget_bytes: int, one_version: int, max_policy_lag: int = -1) -> int:
+    """How many versions of ``one_version`` bytes fit in ``budget_bytes``, and no more than
+    ``max_policy_lag + 1`` (batches of older versions are dropped as stale, never scored;
+    a negative lag keeps every batch, so only the budget bounds them)."""
+    fit = budget_bytes // one_version if one_version > 0 else 0
+    return min(fit, max_policy_lag + 1) if max_policy_lag >= 0 else fit
 
 
 class SamplingWeights:

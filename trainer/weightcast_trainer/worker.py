@@ -237,11 +237,13 @@ class Trainer(ForgeEngine):
 
     def _sampling_weights(self) -> SamplingWeights:
         """As many published steps' weights as ``mismatch_memory_mb`` holds on every rank
-        (the largest rank's shards decide, so every rank keeps the same steps)."""
+        (the largest rank's shards decide, so every rank keeps the same steps), and no more
+        than a batch younger than ``max_policy_lag`` can need."""
         (largest,) = collectives.max_over_ranks(
             [float(version_bytes(self.model_parts[0]))], self.device
         )
-        capacity = capacity_for(int(self.cfg.mismatch_memory_mb * 2**20), int(largest))
+        budget = int(self.cfg.mismatch_memory_mb * 2**20)
+        capacity = capacity_for(budget, int(largest), self.cfg.max_policy_lag)
         log.info(
             "lagged batches are scored against the weights that sampled them"
             if capacity
