@@ -10,9 +10,9 @@ dropped (``trainer.mismatch_memory_mb`` holds three) is not scored at all.
 
 from __future__ import annotations
 
-import json
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -41,28 +41,26 @@ def step_lines(log: str) -> dict[int, dict[str, str]]:
 
 
 class VersionSampler:
-    """An engine's view of a published version: transformers' model on its tensors, fp32."""
+    """An engine's view of a published version: transformers' own model loaded from the
+    version's directory (``--layout hf``), computing in fp32."""
 
-    def __init__(self, start: Path, weights: Path) -> None:
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        config = json.loads((start / "config.json").read_text())
-        self.model = Qwen3ForCausalLM(Qwen3Config.from_dict({**config, "torch_dtype": "float32"}))
+    def __init__(self, weights: Path, shape: str) -> None:
         self.weights = weights
+        self.vocab = HF_SHAPES[shape].shape.vocab_size
 
     @torch.no_grad()
     def batch(self, version: int, seed: int) -> dict[str, torch.Tensor]:
         """A batch of random tokens, its second half trained, with the log-probabilities
         version ``version`` gives them."""
-        tensors = {
-            n: t.float() for n, t in checkpoint_tensors(self.weights / f"v{version}").items()
-        }
-        missing, unexpected = self.model.load_state_dict(tensors, strict=False)
-        assert not unexpected and all("rotary" in name for name in missing), missing
+        from transformers import AutoModelForCausalLM
+
+        model, info = AutoModelForCausalLM.from_pretrained(
+            self.weights / f"v{version}", dtype=torch.float32, output_loading_info=True
+        )
+        assert not any(info.values()), info  # nothing missing, unexpected or mismatched
         gen = torch.Generator().manual_seed(seed)
-        vocab = HF_SHAPES[SHAPE].shape.vocab_size
-        input_ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
-        logp = torch.log_softmax(self.model(input_ids).logits.float(), dim=-1)
+        input_ids = torch.randint(0, self.vocab, (2, SEQ), generator=gen)
+        logp = torch.log_softmax(model(input_ids).logits.float(), dim=-1)
         picked = logp[:, :-1].gather(-1, input_ids[:, 1:, None]).squeeze(-1)
         loss_mask = torch.zeros(2, SEQ, dtype=torch.bool)
         loss_mask[:, SEQ // 2 :] = True
@@ -85,20 +83,37 @@ def version_of(client: redis.Redis, keys: Keys, step: int) -> int | None:
     return None
 
 
+def train_a_published_step(
+    url: str, client: redis.Redis, keys: Keys, log: Path, per_step: int, vocab: int
+) -> int:
+    """Train one step on ``per_step`` batches without log-probabilities once no snapshot
+    write is running, and wait for its version: the version whose weights the trainer then
+    holds. (A step trained while the previous write still runs publishes nothing.)"""
+    holds = max(step_lines(log.read_text()), default=0)
+    skipped = f"snapshot skipped: the previous write is still running step={holds}"
+    wait_for(lambda: version_of(client, keys, holds) or skipped in log.read_text(), 300, "a write")
+    if skipped in log.read_text():
+        time.sleep(2)  # the write that made it skip ends
+    push_batches(url, keys, per_step, policy_version=1, prefix=f"plain-{holds}-", vocab_size=vocab)
+    return wait_for(lambda: version_of(client, keys, holds + 1), 300, f"step {holds + 1}")
+
+
 def version_mb(start: Path) -> float:
-    """One kept version: every parameter in bf16 (the checkpoint is untied)."""
+    """One kept version: every parameter in bf16 (the checkpoint is untied; an MoE's experts
+    are stacked in the trainer, the same bytes)."""
     return sum(t.numel() * 2 for t in checkpoint_tensors(start).values()) / 2**20
 
 
+@pytest.mark.parametrize("shape", ["untied-odd", "moe-untied-odd"])
 def test_lagged_batches_score_against_the_weights_that_sampled_them(
-    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path
+    cli_env: dict[str, str], client: redis.Redis, keys: Keys, tmp_path: Path, shape: str
 ) -> None:
-    """Steps 1-2 train batches without log-probabilities (v2, v3 are their weights). Then
-    a batch sampled from v2 (step 1) trains in step 3 (lag 1): ~0; a batch tagged v2 but
-    sampled from v3 trains in step 4 (lag 2): far above, as the distance of one step at lr
-    1e-2; a batch sampled from v1 (step 0) trains in step 5, when three newer steps are kept
-    and step 0 is not: not scored."""
-    start = save_pretrained_qwen3(tmp_path / "start", SHAPE, torch.bfloat16)
+    """Dense and Qwen3-MoE. Steps 1-2 train batches without log-probabilities (v2, v3 are
+    their weights). Then a batch sampled from v2 (step 1) trains in step 3 (lag 1): ~0; a
+    batch tagged v2 but sampled from v3 trains in step 4 (lag 2): far above, as the distance
+    of one step at lr 1e-2; a batch sampled from v1 (step 0) trains in step 5, when three
+    newer steps are kept and step 0 is not: not scored."""
+    start = save_pretrained_qwen3(tmp_path / "start", shape, torch.bfloat16)
     budget = 3.5 * version_mb(start)
     logs = tmp_path / "logs"
     logs.mkdir()
@@ -111,13 +126,13 @@ def test_lagged_batches_score_against_the_weights_that_sampled_them(
         "--lr", "1e-2", "--mismatch-memory-mb", f"{budget:.6f}",
     )  # fmt: skip
     url = cli_env["WEIGHTCAST_REDIS_URL"]
-    vocab = HF_SHAPES[SHAPE].shape.vocab_size
+    vocab = HF_SHAPES[shape].shape.vocab_size
     try:
         wait_for(lambda: client.get(keys.latest) == b"1", 300, "the start published as v1")
-        push_batches(url, keys, 2, policy_version=1, vocab_size=vocab)
-        wait_for(lambda: client.get(keys.latest) == b"3", 300, "steps 1 and 2 published")
+        for _ in range(2):
+            train_a_published_step(url, client, keys, logs / "trainer.log", 1, vocab)
         assert [int(client.hget(keys.version(v), "step")) for v in (1, 2, 3)] == [0, 1, 2]
-        sampler = VersionSampler(start, tmp_path / "weights")
+        sampler = VersionSampler(tmp_path / "weights", shape)
         producer = BatchProducer(url, keys.namespace, name="engine", max_pending=0)
         producer.push(sampler.batch(2, seed=1), 2, uid="exact")
         producer.push(sampler.batch(3, seed=2), 2, uid="wrong")
@@ -170,9 +185,9 @@ def test_two_fsdp_ranks_score_lagged_batches_against_the_weights_that_sampled_th
     log = logs / "trainer.log"
     try:
         wait_for(lambda: client.get(keys.latest) == b"1", 300, "the start published as v1")
-        push_batches(url, keys, 4, policy_version=1, vocab_size=vocab)
-        wait_for(lambda: client.get(keys.latest) == b"3", 300, "steps 1 and 2 published")
-        sampler = VersionSampler(start, tmp_path / "weights")
+        for _ in range(2):
+            train_a_published_step(url, client, keys, log, 2, vocab)
+        sampler = VersionSampler(tmp_path / "weights", SHAPE)
         producer = BatchProducer(url, keys.namespace, name="engine", max_pending=0)
         versions = (1, 2, 1, 2)  # steps 0 and 1, while the trainer holds 2, then 3
         lagged = [sampler.batch(v, seed) for seed, v in enumerate(versions, start=1)]
@@ -181,8 +196,7 @@ def test_two_fsdp_ranks_score_lagged_batches_against_the_weights_that_sampled_th
             for i, (b, v) in enumerate(zip(lagged, versions, strict=True))
         ]
         wait_for(lambda: all(i in log.read_text() for i in ids), 300, "the lagged batches")
-        holds = max(step_lines(log.read_text()))
-        version = wait_for(lambda: version_of(client, keys, holds), 300, "its version")
+        version = train_a_published_step(url, client, keys, log, 2, vocab)
         for seed in (9, 10):  # one a rank: a step waits for every rank's micro-batches
             producer.push(sampler.batch(version, seed), version, uid=f"on-policy-{seed}")
         wait_for(lambda: "mismatch_lag=0" in log.read_text(), 120, "the on-policy batches")
