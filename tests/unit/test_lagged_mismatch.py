@@ -135,6 +135,8 @@ def test_a_lagged_batch_is_scored_against_the_weights_of_the_step_that_sampled_i
         assert per_token_kl(logprob_mismatch(model(exact.input_ids), exact)) > 1e-2
     assert per_token_kl(scored[1]) > 1e-2
     assert scored[2:] == [None, None, None]  # not kept, lag 0 (the step scores it), no logprobs
+    off = score_lagged(make_parts(model), SamplingWeights(0), [exact], [1], current=3)
+    assert off == [None]  # trainer.mismatch_memory_mb 0: lag 0 only
     after = own_weights(model)
     assert all(torch.equal(after[name], before[name]) for name in before)
 

@@ -49,7 +49,7 @@ def score_lagged(
     the step the model holds. Collective: every rank calls it each step."""
     scored: list[Mismatch | None] = [None] * len(batches)
     done: set[int] = set()
-    while True:
+    while kept.capacity:  # the same on every rank: nothing kept, nothing to agree on
         wanted = [
             step
             for batch, step in zip(batches, sampled, strict=True)
@@ -73,6 +73,7 @@ def score_lagged(
                     scored[mine[index]] = _score(parts, batches[mine[index]])
                 else:
                     _forward(parts, torch.zeros(1, 2, dtype=torch.long, device=parts.device))
+    return scored
 
 
 def _score(parts: StepParts, batch: RolloutBatch) -> Mismatch | None:
