@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from weightcast.contract.codec import RolloutBatch
-from weightcast_trainer.lagged_mismatch import score_lagged
+from weightcast_trainer.lagged_mismatch import score_lagged, scored_lags
 from weightcast_trainer.loss import logprob_mismatch, token_logprobs, trained_mask
 from weightcast_trainer.sampling_weights import (
     SamplingWeights,
@@ -135,6 +135,7 @@ def test_a_lagged_batch_is_scored_against_the_weights_of_the_step_that_sampled_i
         assert per_token_kl(logprob_mismatch(model(exact.input_ids), exact)) > 1e-2
     assert per_token_kl(scored[1]) > 1e-2
     assert scored[2:] == [None, None, None]  # not kept, lag 0 (the step scores it), no logprobs
+    assert scored_lags(batches, [1, 1, 0, 3, 1], 3, scored) == [2, 2, None, 0, None]
     off = score_lagged(make_parts(model), SamplingWeights(0), [exact], [1], current=3)
     assert off == [None]  # trainer.mismatch_memory_mb 0: lag 0 only
     after = own_weights(model)

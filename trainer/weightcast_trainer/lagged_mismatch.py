@@ -76,6 +76,23 @@ def score_lagged(
     return scored
 
 
+def scored_lags(
+    batches: list[RolloutBatch],
+    sampled: list[int | None],
+    current: int,
+    scored: list[Mismatch | None],
+) -> list[int | None]:
+    """Each batch's lag in steps where its mismatch was scored, None where it was not: a
+    lagged batch :func:`score_lagged` scored, or a batch of lag 0 with ``old_logprobs``
+    (the step scores those on its own logits)."""
+    lags: list[int | None] = []
+    for batch, step, mismatch in zip(batches, sampled, scored, strict=True):
+        on_policy = step == current and batch.old_logprobs is not None
+        counted = on_policy or mismatch is not None
+        lags.append(current - step if step is not None and counted else None)
+    return lags
+
+
 def _score(parts: StepParts, batch: RolloutBatch) -> Mismatch | None:
     batch = to_device(batch, parts.device)
     return logprob_mismatch(_forward(parts, batch.input_ids), batch)

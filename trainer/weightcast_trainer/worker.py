@@ -48,7 +48,7 @@ from weightcast.runtime.retry import Outage
 from weightcast_trainer import collectives
 from weightcast_trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 from weightcast_trainer.hf_start import StartCheckpoint, load_start, start_config
-from weightcast_trainer.lagged_mismatch import score_lagged
+from weightcast_trainer.lagged_mismatch import score_lagged, scored_lags
 from weightcast_trainer.loss import LossFn, LossSettings, get_loss
 from weightcast_trainer.model import START_FLAVOR, flavor_args, hf_config, register_train_spec
 from weightcast_trainer.resume import TrainState, resume_dir
@@ -362,10 +362,7 @@ class Trainer(ForgeEngine):
                 self.resume_checkpoints.save()
             if step % self.cfg.publish_every == 0:
                 self._publish()
-        lags = [
-            current - step if on or mismatch is not None else None
-            for step, on, mismatch in zip(sampled, on_policy, scored, strict=True)
-        ]
+        lags = scored_lags(batches, sampled, current, scored)
         self._report_step(items, lags, outcome.metrics, time.perf_counter() - start)
 
     def _drop(self, items: list[StreamBatch], outcome: StepOutcome) -> None:
