@@ -218,7 +218,9 @@ def logprob_mismatch(logits: torch.Tensor, batch: RolloutBatch) -> Mismatch | No
     mask = trained_mask(batch).bool()
     logp = token_logprobs(logits.detach(), batch.input_ids)
     engine = batch.old_logprobs
-    kl = torch.where(mask, k3_kl(engine, logp), 0.0).sum()
+    # In float64: for the differences of a right load (1e-6) k3 is about 1e-13, which
+    # float32's exp(d) - d - 1 rounds to 0.
+    kl = torch.where(mask, k3_kl(engine.double(), logp.double()), 0.0).sum()
     gap = torch.where(mask, (logp - engine).abs(), 0.0).amax()
     return Mismatch(kl, gap, mask.sum())
 

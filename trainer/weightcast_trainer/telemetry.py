@@ -26,10 +26,11 @@ GAUGES = {
     "entropy": "policy entropy over the trained tokens of the last step",
     "clip_fraction": "fraction of trained tokens whose importance ratio was clipped",
     "grad_norm": "gradient norm of the last step, before clipping",
-    "mismatch_kl": "train/inference mismatch of the last step with on-policy batches: mean k3 "
-    "KL(engine || trainer) per trained token, old_logprobs against the trainer's own",
+    "mismatch_kl": "train/inference mismatch of the last step that scored batches: mean k3 "
+    "KL(engine || trainer) per trained token, old_logprobs against the trainer's own under "
+    "the weights of the version that sampled each batch (any policy lag)",
     "mismatch_max": "largest |old_logprob - trainer logprob| of a trained token in that step",
-    "mismatch_version": "the version those on-policy batches were sampled from",
+    "mismatch_version": "the newest version those batches were sampled from",
     "lr": "learning rate the last step used",
     "tokens_per_s": "input tokens per second of the last step (all ranks)",
     "step_seconds": "wall time of the last step",

@@ -79,13 +79,13 @@ class StepTotals:
     failed_losses: float = 0.0
     """Micro-batches whose loss was not finite."""
     mismatch_kl: float = 0.0
-    """Summed k3 KL(engine || trainer) of the trained tokens of on-policy batches."""
+    """Summed k3 KL(engine || trainer) of the trained tokens of the batches scored."""
     mismatch_tokens: float = 0.0
     mismatch_max: float = -1.0
     """Largest log-probability difference of those tokens; -1 when there were none."""
 
     def add_mismatch(self, kl: float, tokens: float, max_abs: float) -> None:
-        """One on-policy micro-batch's :class:`~weightcast_trainer.loss.Mismatch`, read."""
+        """One scored micro-batch's :class:`~weightcast_trainer.loss.Mismatch`, read."""
         self.mismatch_kl += kl
         self.mismatch_tokens += tokens
         self.mismatch_max = max(self.mismatch_max, max_abs)
@@ -120,7 +120,7 @@ class StepTotals:
 
     def means(self) -> dict[str, float]:
         """Each metric's mean over the trained tokens that reported it, and the mismatch
-        (``mismatch_kl``: mean KL per token, ``mismatch_max``) when a batch was on-policy."""
+        (``mismatch_kl``: mean KL per token, ``mismatch_max``) when a batch was scored."""
         means = {k: self.weighted[k] / self.weights[k] for k in STEP_METRICS if self.weights[k]}
         if self.mismatch_tokens:
             means["mismatch_kl"] = self.mismatch_kl / self.mismatch_tokens
@@ -141,12 +141,18 @@ class StepOutcome:
 
 
 def train_step(
-    parts: StepParts, batches: list[RolloutBatch], passes: int, on_policy: list[bool]
+    parts: StepParts,
+    batches: list[RolloutBatch],
+    passes: int,
+    on_policy: list[bool],
+    scored: list[Mismatch | None] | None = None,
 ) -> StepOutcome:
     """One optimizer step over this rank's micro-batches, in ``passes`` forward/backward
     passes (the ones beyond ``batches`` on no batch, with zero weight). For the batches
     ``on_policy`` marks, it also measures the train/inference mismatch
-    (:func:`~weightcast_trainer.loss.logprob_mismatch`) on the logits it computes anyway.
+    (:func:`~weightcast_trainer.loss.logprob_mismatch`) on the logits it computes anyway;
+    ``scored`` holds the mismatch of lagged batches, measured already against the weights
+    that sampled them (:mod:`weightcast_trainer.lagged_mismatch`), read and summed with it.
 
     Each micro-batch's loss (a mean over its trained tokens) is weighted by its share of
     the trained tokens of the whole step on all ranks, so the update is the one a single
@@ -164,6 +170,8 @@ def train_step(
             continue
         scale = tokens[index] * parts.dp_degree / total
         figures.append(forward_backward(parts, batches[index], scale, on_policy[index]))
+        if scored is not None:
+            figures[-1].update(_mismatch_figures(scored[index]))
     grad_norm = dist_utils.clip_grad_norm_(
         list(parts.model.parameters()), parts.max_norm, foreach=True
     )
@@ -198,7 +206,7 @@ def forward_backward(
     """One micro-batch's forward pass, loss and backward pass of the loss times ``scale``;
     its figures (the loss's metrics, ``loss``, ``entropy``, and with ``measure_mismatch``
     the mismatch), not read yet: reading them is the step's one sync."""
-    batch = _to_device(batch, parts.device)
+    batch = to_device(batch, parts.device)
     with parts.forward_context():
         logits = parts.model(batch.input_ids)
         result = parts.loss(logits, batch, parts.loss_settings)
@@ -258,7 +266,8 @@ def _mismatch_figures(mismatch: Mismatch | None) -> dict[str, torch.Tensor]:
     }
 
 
-def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+def to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """``batch`` with every tensor on ``device``."""
     return dataclasses.replace(
         batch,
         **{

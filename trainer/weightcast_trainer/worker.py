@@ -2,9 +2,11 @@
 
 ``Trainer`` is torchtitan's ForgeEngine (model, parallelism, optimizer, LR schedule, resume
 checkpointer) plus the pieces weightcast adds: a Redis batch source, a policy loss, the train
-state of applied stream ids, a background snapshot writer and telemetry. What a step computes
-is :mod:`weightcast_trainer.train_step`'s; the loop decides what it trains and what becomes
-of its batches.
+state of applied stream ids, a background snapshot writer, the weights of the steps it
+published last (to score the train/inference mismatch of lagged batches,
+:mod:`weightcast_trainer.lagged_mismatch`) and telemetry. What a step computes is
+:mod:`weightcast_trainer.train_step`'s; the loop decides what it trains and what becomes of
+its batches.
 
 What can go wrong, and what the loop does (docs/trainer.md has the whole story):
 
@@ -34,7 +36,7 @@ import torch
 from torchtitan.experiments.forge.engine import ForgeEngine
 from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
-from weightcast.contract.codec import BatchLimits, RolloutBatch
+from weightcast.contract.codec import BatchLimits
 from weightcast.contract.errors import ConfigError
 from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import Keys
@@ -46,10 +48,12 @@ from weightcast.runtime.retry import Outage
 from weightcast_trainer import collectives
 from weightcast_trainer.batch_source import BatchSource, SourceSettings, StreamBatch
 from weightcast_trainer.hf_start import StartCheckpoint, load_start, start_config
+from weightcast_trainer.lagged_mismatch import score_lagged, scored_lags
 from weightcast_trainer.loss import LossFn, LossSettings, get_loss
 from weightcast_trainer.model import START_FLAVOR, flavor_args, hf_config, register_train_spec
 from weightcast_trainer.resume import TrainState, resume_dir
 from weightcast_trainer.resume_checkpoints import ResumeCheckpoints, load_newest
+from weightcast_trainer.sampling_weights import SamplingWeights, capacity_for, version_bytes
 from weightcast_trainer.snapshot_writer import SnapshotWriter
 from weightcast_trainer.step_plan import StepPlan, decide, local_view
 from weightcast_trainer.telemetry import Telemetry
@@ -108,6 +112,7 @@ class Trainer(ForgeEngine):
         self.batches = self._open_batch_source()
         self.snapshots = self._snapshot_writer(config)
         self.step_parts = self._step_parts(loss)
+        self.sampling_weights = self._sampling_weights()
         self.telemetry = Telemetry(
             self.redis, self.keys, self.cfg.metrics_port, self.leader, self.outage
         )
@@ -230,6 +235,26 @@ class Trainer(ForgeEngine):
             before_update=self.snapshots.before_weights_change,
         )
 
+    def _sampling_weights(self) -> SamplingWeights:
+        """As many published steps' weights as ``mismatch_memory_mb`` holds on every rank
+        (the largest rank's shards decide, so every rank keeps the same steps), and no more
+        than a batch younger than ``max_policy_lag`` can need."""
+        (largest,) = collectives.max_over_ranks(
+            [float(version_bytes(self.model_parts[0]))], self.device
+        )
+        budget = int(self.cfg.mismatch_memory_mb * 2**20)
+        capacity = capacity_for(budget, int(largest), self.cfg.max_policy_lag)
+        log.info(
+            "lagged batches are scored against the weights that sampled them"
+            if capacity
+            else "lagged batches are not scored for the mismatch: one version's weights "
+            "exceed trainer.mismatch_memory_mb",
+            versions_kept=capacity,
+            version_mb=round(largest / 2**20, 3),
+            mismatch_memory_mb=self.cfg.mismatch_memory_mb,
+        )
+        return SamplingWeights(capacity)
+
     @contextlib.contextmanager
     def _forward_context(self) -> Iterator[None]:
         with self.train_context(None), self.maybe_enable_amp:
@@ -319,10 +344,12 @@ class Trainer(ForgeEngine):
         self.gc_handler.run(self.train_state.step + 1)
         items, self.buffer = self.buffer[: plan.take], self.buffer[plan.take :]
         self.batches.begin_step([item.entry_id for item in items])
-        on_policy = [self._on_policy(item.batch) for item in items]
-        outcome = train_step(
-            self.step_parts, [item.batch for item in items], plan.passes, on_policy
-        )
+        batches = [item.batch for item in items]
+        current = self.train_state.step
+        sampled = [self.batches.version_step(batch.policy_version) for batch in batches]
+        on_policy = [step == current for step in sampled]
+        scored = score_lagged(self.step_parts, self.sampling_weights, batches, sampled, current)
+        outcome = train_step(self.step_parts, batches, plan.passes, on_policy, scored)
         if not outcome.applied:
             self.batches.end_step()  # finished: the batches at fault are dead-lettered now
             self._drop(items, outcome)
@@ -335,12 +362,8 @@ class Trainer(ForgeEngine):
                 self.resume_checkpoints.save()
             if step % self.cfg.publish_every == 0:
                 self._publish()
-        self._report_step(items, on_policy, outcome.metrics, time.perf_counter() - start)
-
-    def _on_policy(self, batch: RolloutBatch) -> bool:
-        """The batch was sampled from the version that holds exactly the weights the trainer
-        holds now (policy lag 0 steps): its ``old_logprobs`` should equal the trainer's."""
-        return self.batches.version_step(batch.policy_version) == self.train_state.step
+        lags = scored_lags(batches, sampled, current, scored)
+        self._report_step(items, lags, outcome.metrics, time.perf_counter() - start)
 
     def _drop(self, items: list[StreamBatch], outcome: StepOutcome) -> None:
         """A step that was not applied: dead-letter the batches at fault, keep the others.
@@ -390,19 +413,26 @@ class Trainer(ForgeEngine):
     def _report_step(
         self,
         items: list[StreamBatch],
-        on_policy: list[bool],
+        lags: list[int | None],
         metrics: dict[str, float],
         seconds: float,
     ) -> None:
         """The applied step's figures, policy lag and mismatch version: heartbeat, gauges,
-        log line."""
+        log line. ``lags`` is each batch's lag in steps behind the weights it was trained
+        on, where its mismatch was scored (None where it was not)."""
         state = self.train_state
         mismatch_version = None
         if "mismatch_kl" in metrics:  # the same on every rank: the sums were reduced
-            pairs = zip(items, on_policy, strict=True)
-            sampled = [item.batch.policy_version for item, on in pairs if on]
-            (version,) = collectives.max_over_ranks([max(sampled, default=-1.0)], self.device)
-            metrics["mismatch_version"] = mismatch_version = int(version)
+            pairs = [(item, lag) for item, lag in zip(items, lags, strict=True) if lag is not None]
+            figures = collectives.max_over_ranks(
+                [
+                    max((item.batch.policy_version for item, _ in pairs), default=-1.0),
+                    max((lag for _, lag in pairs), default=-1.0),
+                ],
+                self.device,
+            )
+            metrics["mismatch_version"] = mismatch_version = int(figures[0])
+            metrics["mismatch_lag"] = int(figures[1])
         oldest = min((item.batch.policy_version for item in items), default=None)
         lag = self.batches.policy_lag(oldest) if oldest is not None else None
         tokens = metrics.pop("tokens")
@@ -458,11 +488,13 @@ class Trainer(ForgeEngine):
             log.warning("snapshot skipped: the previous write is still running", step=step)
             return
         self.snapshots.start(self.model_parts[0], step)
+        self.sampling_weights.keep(step, self.model_parts[0])
 
     def _publish_start(self) -> None:
         """A step-0 snapshot of the starting weights, written before the first step, so the
         first version is exactly the trainer's start (a node needs no copy of the directory)."""
         self.snapshots.start(self.model_parts[0], 0)
+        self.sampling_weights.keep(0, self.model_parts[0])
         self.snapshots.wait()
         collectives.barrier()
         log.info("published the start", snapshot=self.snapshots.last_path)

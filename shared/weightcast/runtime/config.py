@@ -276,6 +276,14 @@ class TrainerConfig:
         "published versions behind the latest; a negative value keeps every batch",
         flag="--max-policy-lag",
     )
+    mismatch_memory_mb: float = setting(
+        4096.0,
+        "host memory per rank for the bf16 weights of the newest published steps, against "
+        "which batches of any policy lag are scored for the train/inference mismatch "
+        "(mismatch_kl); 0 scores batches of lag 0 only",
+        flag="--mismatch-memory-mb",
+        ge=0,
+    )
     resume_dir: str = setting(
         "",
         "resume checkpoints (model, optimizer, LR schedule, train state); empty means "
