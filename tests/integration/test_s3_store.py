@@ -18,13 +18,17 @@ from weightcast.contract.errors import StoreFull, StoreUnavailable, WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import MANIFEST_NAME
-from weightcast.contract.snapshot_format import CONFIG_NAME
+from weightcast.contract.snapshot_format import CONFIG_NAME, read_complete
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
-from weightcast.store.s3 import S3Store
+from weightcast.store.s3 import PART_BYTES, S3Store
+from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.snapshot_scan import Snapshot
 
+from helpers.models import shape_of
 from helpers.s3 import s3_client
+from helpers.snapshots import write_snapshot
 from helpers.versions import Deployment
 
 pytestmark = pytest.mark.usefixtures("s3_env")
@@ -291,3 +295,22 @@ def test_a_node_versions_behind_catches_up_by_a_chain_of_deltas_from_the_bucket(
     assert (stats.via, stats.links) == ("chain", 3), stats.reason
     expected = VersionReader(deployment.root / "weights").rank_tensors(info, 0, 2)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_the_writer_sends_the_weights_files_as_it_writes_them(
+    deployment: Deployment, s3_server: S3Server
+) -> None:
+    """With a bucket, the weights files are in it once the version is written, before the
+    publisher uploads the rest (no second pass over their bytes), byte for byte the files
+    written here; the manifest is not (a node could not find the version yet)."""
+    store = deployment.publisher.remote
+    assert store is not None
+    big = shape_of(4, 4, 64, hidden=1024, inter=3072)  # 42 MB: three parts
+    snapshot = write_snapshot(deployment.root / "snapshots", 1, big)
+    at = Snapshot(snapshot, read_complete(snapshot))
+    published = convert(at, deployment.root / "w", 7, ConvertOptions(), store)
+    assert published.uploaded == {FUSED_WEIGHTS_FILE}
+    assert (published.path / FUSED_WEIGHTS_FILE).stat().st_size > 2 * PART_BYTES
+    assert objects(deployment, "v7/") == [f"v7/{FUSED_WEIGHTS_FILE}"]
+    sent = get(s3_server, deployment, f"v7/{FUSED_WEIGHTS_FILE}")
+    assert sent == (published.path / FUSED_WEIGHTS_FILE).read_bytes()
