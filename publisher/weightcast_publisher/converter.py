@@ -24,8 +24,9 @@ from typing import Any
 
 from weightcast.contract.delta import Delta
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
-from weightcast.contract.errors import LayoutError
+from weightcast.contract.errors import BlockCutError, LayoutError
 from weightcast.contract.experts import check_placement
+from weightcast.contract.fp8 import QUANTIZE_FP8, QUANTIZE_NONE, quantized_config
 from weightcast.contract.fusion import check_tp
 from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED, fused_config
 from weightcast.contract.manifest import (
@@ -44,6 +45,7 @@ from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.contract.version_info import version_dir_name
 from weightcast_publisher.delta_writer import DeltaSink, find_base
+from weightcast_publisher.quantized_source import QuantizedSource
 from weightcast_publisher.safetensors_writer import (
     NonFiniteTensor,
     OutputTensor,
@@ -75,6 +77,9 @@ class ConvertOptions:
     ep = tp) instead of each expert split over the ranks (ep = 1)."""
     delta_max_ratio: float = 0.5
     """Drop the delta once its frames hold more than this fraction of the bytes they cover."""
+    quantize: str = QUANTIZE_NONE
+    """``fp8``: linear weights as block-scaled FP8 with their scales
+    (:mod:`weightcast.contract.fp8`); ``none``: as the snapshot holds them."""
 
     @property
     def ep(self) -> int:
@@ -106,7 +111,9 @@ def convert(
     """
     options = options or ConvertOptions()
     config = read_config(snapshot)
-    source = open_source(snapshot, options.reader)
+    source: Source = open_source(snapshot, options.reader)
+    if options.quantize == QUANTIZE_FP8:
+        source, config = QuantizedSource(source), quantized_config(config)
     plan = _plan(source, config, options)
     tmp = weights_dir / f"{TMP_VERSION_PREFIX}{version}"
     final = weights_dir / version_dir_name(version)
@@ -151,6 +158,8 @@ def _plan(source: Source, config: dict[str, Any], options: ConvertOptions) -> Ve
         return plan_version(
             source.tensors, shape, options.tp, options.layout, options.per_rank_files, options.ep
         )
+    except BlockCutError:
+        raise  # a tp that cuts FP8 scale blocks: the setting is wrong
     except LayoutError as exc:
         raise CorruptSnapshot(str(exc)) from None
 

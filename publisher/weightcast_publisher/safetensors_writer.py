@@ -42,7 +42,7 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -118,7 +118,16 @@ class Columns:
     length: int
 
 
-Piece = FileRange | Columns | memoryview
+@dataclass(frozen=True)
+class Computed:
+    """``length`` bytes that ``make`` computes when the writer reaches them (quantized
+    weights), so that only the piece being written is ever in memory."""
+
+    length: int
+    make: Callable[[], memoryview]
+
+
+Piece = FileRange | Columns | Computed | memoryview
 
 
 @dataclass(frozen=True)
@@ -146,6 +155,8 @@ def piece_bytes(piece: Piece) -> int:
         return piece.length
     if isinstance(piece, Columns):
         return piece.rows * piece.length
+    if isinstance(piece, Computed):
+        return piece.length
     return piece.nbytes
 
 
@@ -356,6 +367,11 @@ class _Pipeline:
             self._read_range(self._source(piece.file), piece.offset, piece.length)
         elif isinstance(piece, Columns):
             self._copy_columns(piece)
+        elif isinstance(piece, Computed):
+            data = piece.make().cast("B")
+            if len(data) != piece.length:
+                raise ValueError(f"a computed piece of {piece.length} bytes made {len(data)}")
+            self.append(data)
         else:
             self.append(piece.cast("B"))
 
