@@ -32,6 +32,7 @@ from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED, fused_confi
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
     MANIFEST_NAME,
+    MIXED_DTYPE,
     FileEntry,
     Manifest,
     TensorEntry,
@@ -291,7 +292,7 @@ def _manifest(
         snapshot_id=snapshot.info.snapshot_id,
         layout=LAYOUT_HF if plan.layout == LAYOUT_HF else LAYOUT_VLLM_FUSED,
         tp=plan.tp,
-        dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
+        dtype=dtypes.pop() if len(dtypes) == 1 else MIXED_DTYPE,
         files=files,
         tensors=tensors,
         per_rank_files=plan.per_rank_files,

@@ -15,22 +15,7 @@ from weightcast.contract.plan import plan_version
 from weightcast.contract.sharding import ShardKind
 
 from helpers.models import moe_shape, shape_of
-
-
-def by_definition(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block at a time: scale = max(amax, 1e-4) / 448, fp8 = x * (1 / scale)."""
-    rows, cols = weight.shape
-    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
-    scales = torch.empty(-(-rows // 128), -(-cols // 128))
-    for i in range(scales.shape[0]):
-        for j in range(scales.shape[1]):
-            block = weight[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128].float()
-            scale = torch.tensor(max(block.abs().max().item(), 1e-4), dtype=torch.float32) / 448
-            scales[i, j] = scale
-            out[i * 128 : (i + 1) * 128, j * 128 : (j + 1) * 128] = (block * (1 / scale)).to(
-                torch.float8_e4m3fn
-            )
-    return out, scales
+from vllm_reference import fp8_block_quantize
 
 
 @pytest.mark.parametrize("shape", [(256, 384), (300, 200), (128, 128), (64, 1000)])
@@ -39,7 +24,7 @@ def test_quantize_is_the_definition_bit_for_bit(shape: tuple[int, int]) -> None:
     weight = (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
     weight[:64, :64] *= 1000  # blocks of very different ranges
     got, scale = fp8.quantize(weight)
-    want, want_scale = by_definition(weight)
+    want, want_scale = fp8_block_quantize(weight)
     assert got.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(scale, want_scale)
