@@ -411,9 +411,28 @@ class _Pipeline:
             block = self._scratch[: count * piece.row_bytes]
             if os.preadv(source, [block], piece.offset + first * piece.row_bytes) != len(block):
                 raise SourceEnded(errno.EIO, f"short read of {piece.file}")
-            for i in range(count):
-                start = i * piece.row_bytes + piece.start
-                self.append(block[start : start + piece.length])
+            rows = np.frombuffer(block, np.uint8).reshape(count, piece.row_bytes)
+            self._append_rows(rows[:, piece.start : piece.start + piece.length])
+
+    def _append_rows(self, rows: np.ndarray) -> None:
+        """Append the rows of a strided 2-D byte array: as many as the buffer has room for
+        in one strided copy (a column piece was once copied row by row: 1.59x cp + fsync for
+        a Qwen3-30B-A3B at tp 4), a row that crosses the buffer's end on its own."""
+        length = rows.shape[1]
+        done = 0
+        while done < len(rows):
+            fit = min(len(rows) - done, (BUFFER_BYTES - self.filled) // length)
+            if fit == 0:
+                self.append(memoryview(np.ascontiguousarray(rows[done])))
+                done += 1
+                continue
+            target = np.frombuffer(
+                self.buffers[self.current], np.uint8, fit * length, self.filled
+            ).reshape(fit, length)
+            target[:] = rows[done : done + fit]
+            del target  # no view of the buffer may outlive the copy (it is closed at the end)
+            self._filled(fit * length)
+            done += fit
 
     def _filled(self, n: int) -> None:
         self.filled += n
