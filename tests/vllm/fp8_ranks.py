@@ -49,6 +49,10 @@ def fp8_parameters(model: torch.nn.Module) -> list[str]:
     block = [128, 128]
     changed = []
     for name, layer in model.named_modules():
+        if hasattr(layer, "w13_weight"):
+            fp8_experts(layer, block)
+            changed.append(name)
+            continue
         if not isinstance(layer, LinearBase) or name.endswith("mlp.gate"):
             continue
         sizes = list(getattr(layer, "output_partition_sizes", [layer.output_size]))
@@ -62,6 +66,43 @@ def fp8_parameters(model: torch.nn.Module) -> list[str]:
         layer.register_parameter("weight_scale_inv", scale)
         changed.append(name)
     return changed
+
+
+def fp8_experts(layer: torch.nn.Module, block: list[int]) -> None:
+    """A ``FusedMoE`` layer's parameters as ``Fp8MoEMethod.create_weights`` registers them for
+    block FP8: FP8 ``w13_weight`` / ``w2_weight``, float32 ``w13_weight_scale_inv`` /
+    ``w2_weight_scale_inv`` with the ``block`` quant method, the layer's ``weight_loader``."""
+    from vllm.model_executor.layers.fused_moe.routed_experts import (
+        FusedMoeWeightScaleSupported,
+    )
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (
+        validate_fp8_block_shape_moe,
+    )
+    from vllm.model_executor.utils import set_weight_attrs
+
+    experts, hidden = layer.local_num_experts, layer.hidden_size
+    inter = layer.intermediate_size_per_partition
+    validate_fp8_block_shape_moe(inter, block)
+    layer.weight_block_size = block
+    attrs = {
+        "weight_loader": layer.weight_loader,
+        "unpadded_hidden_size": layer.moe_config.hidden_dim_unpadded,
+        "global_num_experts": layer.moe_config.num_experts,
+    }
+    blocks = [-(-hidden // block[0]), -(-inter // block[0])]
+    made = {
+        "w13_weight": (torch.empty(experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn), attrs),
+        "w2_weight": (torch.empty(experts, hidden, inter, dtype=torch.float8_e4m3fn), attrs),
+        "w13_weight_scale_inv": (torch.ones(experts, 2 * blocks[1], blocks[0]), None),
+        "w2_weight_scale_inv": (torch.ones(experts, blocks[0], blocks[1]), None),
+    }
+    for name, (data, given) in made.items():
+        if name in layer._parameters:
+            del layer._parameters[name]
+        param = torch.nn.Parameter(data, requires_grad=False)
+        layer.register_parameter(name, param)
+        block_attrs = attrs | {"quant_method": FusedMoeWeightScaleSupported.BLOCK.value}
+        set_weight_attrs(param, given or block_attrs)
 
 
 def checkpoint(source: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
@@ -102,7 +143,8 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
         fp8_checkpoint, disagree = checkpoint(load_file(spec["state"]))
         result["reference"] = {"disagree": disagree}
 
-        config, model = build(model_dir, tp)
+        ep = spec.get("expert_parallel", False)
+        config, model = build(model_dir, tp, ep)
         result["fp8_layers"] = len(fp8_parameters(model))
         with set_current_vllm_config(config):
             model.load_weights(iter(fp8_checkpoint.items()))
@@ -116,7 +158,7 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
             source = resolve(info, engine.defaults, load_config())
             # the backend's staging (lease, verified per-rank reads), without its check of
             # the parts against vLLM's layerwise metadata, which recorded the bf16 parameters
-            staged = stage(source, version, rank, tp, engine._shape())
+            staged = stage(source, version, rank, tp, engine._shape(), None, tp if ep else 1)
             wrong, checked = [], []
             for part in staged.parts:
                 want, rows = truth[part.name], part.tensor.shape[0]

@@ -31,35 +31,60 @@ FP8_MODEL = replace(
     vocab_size=1000,
 ).to_hf_config()
 """Every tp-split dimension whole 128-blocks up to tp 4."""
+FP8_MOE = replace(
+    SHAPES["tiny-moe"],
+    hidden_size=256,
+    intermediate_size=256,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=128,
+    vocab_size=1000,
+    num_experts=4,
+    moe_intermediate_size=256,
+    mlp_only_layers=(1,),
+).to_hf_config()
+"""A Qwen3-MoE (a dense layer among sparse ones) whose experts' 256 rows are 128 per rank
+at tp 2."""
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+CASES = {
+    "dense tp 1": (FP8_MODEL, 1, False),
+    "dense tp 2": (FP8_MODEL, 2, False),
+    "dense tp 4": (FP8_MODEL, 4, False),
+    "moe tp 2": (FP8_MOE, 2, False),
+    "moe ep 2": (FP8_MOE, 2, True),
+}
+
+
+@pytest.mark.parametrize(("config", "tp", "ep"), CASES.values(), ids=CASES.keys())
 def test_every_rank_stages_exactly_what_vllm_loads_from_an_fp8_checkpoint(
-    tp: int, registry: Registry, tmp_path: Path
+    config: dict[str, Any], tp: int, ep: bool, registry: Registry, tmp_path: Path
 ) -> None:
-    state = random_state(FP8_MODEL, 31)
+    state = random_state(config, 31)
     path = tmp_path / "state.safetensors"
     save_file(state, str(path))
     model_dir = tmp_path / "bf16-model"  # vLLM's bf16 model: fp8_ranks.py adds FP8 parameters
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps(FP8_MODEL))
-    versions = {"fused": registry.publish(FP8_MODEL, state, tp=tp, quantize="fp8")}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    fp8 = {"quantize": "fp8", "expert_parallel": ep}
+    versions = {"fused": registry.publish(config, state, tp=tp, **fp8)}
     if tp > 1:
-        versions["per_rank"] = registry.publish(
-            FP8_MODEL, state, tp=tp, per_rank_files=True, quantize="fp8"
-        )
+        versions["per_rank"] = registry.publish(config, state, tp=tp, per_rank_files=True, **fp8)
     spec: dict[str, Any] = {
         "model_dir": str(model_dir),
         "state": str(path),
         "versions": versions,
-        "location": registry.location(f"fp8-tp{tp}"),
+        "location": registry.location(f"fp8-tp{tp}-{'ep' if ep else 'tp'}"),
+        "expert_parallel": ep,
     }
     results = run_ranks("fp8_ranks.py", tp, spec, tmp_path)
     for result in results:
         assert result["reference"]["disagree"] == []  # vLLM's quantizer is the definition
-        assert result["fp8_layers"] == 2 * 4  # qkv, o, gate_up, down per layer
+        # qkv, o, gate_up, down per dense layer; qkv, o and the experts per sparse one
+        assert result["fp8_layers"] == (8 if config is FP8_MODEL else 3 + 4)
         assert "torch.float8_e4m3fn" in result["truth_dtypes"]
         for key, parts in result["parts"].items():
             assert parts["wrong"] == [], (result["rank"], key)
             assert parts["missing"] == [], (result["rank"], key)
+            # 4 per layer: qkv, o, and gate_up and down or w13 and w2
             assert sum(n.endswith("weight_scale_inv") for n in parts["checked"]) == 8
