@@ -14,9 +14,11 @@ cuts a block), ``create_fp8_weight_parameter``, ``create_fp8_scale_parameter`` w
 (``per_block_cast_to_fp8``) from the same bf16 weights; those parameters are the truth. Each
 rank writes ``OUT_DIR/rank<R>.json``: ``reference`` (vLLM's quantizer against the test's
 definition, ``vllm_reference.fp8_block_quantize``) and ``parts`` (what the backend's staging
-reads for this rank from each version, against the truth, bit for bit). The backend's load
-into an FP8 engine is not checked here: the parameters added after ``initialize_model`` are
-not in vLLM's layerwise metadata, which the backend checks a version against.
+reads for this rank from each version, against the truth, bit for bit) and ``placed`` (the
+parameters that differ from the truth after stock ``load_weights`` of that part as the
+backend's placement hands it over, under HF names: its layerwise mode). The backend's own
+update is not run: the parameters added after ``initialize_model`` are not in vLLM's
+layerwise metadata, which the backend checks a version against.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from vllm_ranks import backend, build, join_group
 
+from weightcast.client.vllm.placement import hf_tensors
 from weightcast.client.vllm.protocol import resolve
 from weightcast.client.vllm.staging import stage
 from weightcast.runtime.settings import load_config
@@ -126,6 +129,19 @@ def checkpoint(source: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor]
     return out, disagree
 
 
+def against_truth(parts: list[Any], truth: dict[str, torch.Tensor]) -> dict[str, list[str]]:
+    """The parts checked, those not bit for bit the truth's (a vocabulary rank's padding rows
+    absent from its part), and the truth's parameters no part covers."""
+    wrong, checked = [], []
+    for part in parts:
+        want, rows = truth[part.name], part.tensor.shape[0]
+        checked.append(part.name)
+        same = part.tensor.dtype == want.dtype and torch.equal(bits(want[:rows]), bits(part.tensor))
+        if not (same and not bits(want[rows:]).any()):
+            wrong.append(part.name)
+    return {"checked": checked, "wrong": wrong, "missing": sorted(set(truth) - set(checked))}
+
+
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
@@ -151,7 +167,7 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
         truth = {n: p.detach().clone() for n, p in model.named_parameters()}
         result["truth_dtypes"] = sorted({str(p.dtype) for p in truth.values()})
 
-        result["parts"] = {}
+        result["parts"], result["placed"] = {}, {}
         for key, version in versions.items():
             engine = backend(config, model, location)
             info = engine.parse_update_info({"version": version})
@@ -159,17 +175,18 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
             # the backend's staging (lease, verified per-rank reads), without its check of
             # the parts against vLLM's layerwise metadata, which recorded the bf16 parameters
             staged = stage(source, version, rank, tp, engine._shape(), None, tp if ep else 1)
-            wrong, checked = [], []
-            for part in staged.parts:
-                want, rows = truth[part.name], part.tensor.shape[0]
-                checked.append(part.name)
-                same = part.tensor.dtype == want.dtype and torch.equal(
-                    bits(want[:rows]), bits(part.tensor)
-                )
-                if not (same and not bits(want[rows:]).any()):
-                    wrong.append(part.name)
-            missing = sorted(set(truth) - set(checked))
-            result["parts"][key] = {"checked": sorted(checked), "wrong": wrong, "missing": missing}
+            if key != "hf":  # the hf layout's parts are whole HF tensors
+                result["parts"][key] = against_truth(staged.parts, truth)
+            # What the backend's layerwise mode feeds stock load_weights (its placement of
+            # the rank's part under HF names), into a fresh model with FP8 parameters.
+            fresh_config, fresh = build(model_dir, tp, ep)
+            fp8_parameters(fresh)
+            with set_current_vllm_config(fresh_config):
+                fresh.load_weights(hf_tensors(staged.parts, engine._shape(), rank, tp))
+            differing = sorted(
+                n for n, p in fresh.named_parameters() if not torch.equal(bits(p), bits(truth[n]))
+            )
+            result["placed"][key] = differing
     except Exception:
         result["error"] = traceback.format_exc()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result, indent=1))

@@ -4,7 +4,9 @@ whose doc says why the parameters are made by vLLM's functions rather than by it
 choice, which needs AMX). The truth is stock ``load_weights`` of a checkpoint quantized by
 vLLM's ``per_block_cast_to_fp8`` from the same bf16 weights; what the backend stages for each
 rank from versions the real publisher wrote (one fused file; per-rank files) must be it, bit
-for bit, every weight and every scale.
+for bit, every weight and every scale; so must a fresh model after stock ``load_weights`` of
+what the backend's placement hands it (its layerwise mode), from those and from the ``hf``
+layout. MoE at tp 2 and ep 2 too.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ def test_every_rank_stages_exactly_what_vllm_loads_from_an_fp8_checkpoint(
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps(config))
     fp8 = {"quantize": "fp8", "expert_parallel": ep}
-    versions = {"fused": registry.publish(config, state, tp=tp, **fp8)}
+    versions = {
+        "fused": registry.publish(config, state, tp=tp, **fp8),
+        "hf": registry.publish(config, state, layout="hf", quantize="fp8"),
+    }
     if tp > 1:
         versions["per_rank"] = registry.publish(config, state, tp=tp, per_rank_files=True, **fp8)
     spec: dict[str, Any] = {
@@ -88,3 +93,5 @@ def test_every_rank_stages_exactly_what_vllm_loads_from_an_fp8_checkpoint(
             assert parts["missing"] == [], (result["rank"], key)
             # 4 per layer: qkv, o, and gate_up and down or w13 and w2
             assert sum(n.endswith("weight_scale_inv") for n in parts["checked"]) == 8
+        # the backend's placement into vLLM's loaders gives the truth, the hf layout's too
+        assert result["placed"] == {key: [] for key in versions}, result["rank"]
