@@ -18,10 +18,12 @@ from helpers.models import moe_shape, shape_of
 from vllm_reference import fp8_block_quantize
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(256, 384), (300, 200), (128, 128), (64, 1000)])
-def test_quantize_is_the_definition_bit_for_bit(shape: tuple[int, int]) -> None:
+def test_quantize_is_the_definition_bit_for_bit(shape: tuple[int, int], dtype: torch.dtype) -> None:
+    """bf16 through its bits (fp8._amax), the others through torch."""
     gen = torch.Generator().manual_seed(sum(shape))
-    weight = (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
+    weight = (torch.randn(shape, generator=gen) * 0.05).to(dtype)
     weight[:64, :64] *= 1000  # blocks of very different ranges
     got, scale = fp8.quantize(weight)
     want, want_scale = fp8_block_quantize(weight)
