@@ -19,6 +19,7 @@ under the publish on this machine.
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --rounds 7 --format dcp-torchsave
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --stages --no-delta
     .venv/bin/python bench/bench_publisher.py --shapes 30B-A3B-2L --tp 4 --expert-parallel
+    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --quantize fp8   # FP8 versions
 """
 
 from __future__ import annotations

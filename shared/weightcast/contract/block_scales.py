@@ -7,8 +7,10 @@ loaders shard a scale exactly so (``BlockQuantScaleParameter``: every offset and
 by the block), which is only right when no range cuts a block: each range must start on a block
 and hold whole blocks, except the tensor's very last range, which may end at its source's
 end (vLLM lets a merged weight's last part be ragged at tp 1). A tp or placement whose ranges
-cut a block is refused in one line naming the tensor (:class:`BlockCutError`), as vLLM
-refuses it.
+cut a block is refused in one line naming the tensor (:class:`BlockCutError`). vLLM 0.32
+refuses such a tp for dense layers (``validate_fp8_block_shape``); for a ``FusedMoE`` it
+refines the scale grid instead (``resolve_fp8_moe_weight_block_shape``), which weightcast does
+not publish.
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ def _whole_blocks(name: str, region: Region, size: int, last: bool, what: str) -
     if region.start % BLOCK or ragged_end:
         raise BlockCutError(
             f"{name}: {what} {region.start}..{region.stop} of {region.source} cut a "
-            f"{BLOCK}-block of its FP8 scales; vLLM refuses this tp (choose one whose shards "
-            f"are multiples of {BLOCK})"
+            f"{BLOCK}-block of its FP8 scales; publish FP8 at a tp whose shards are whole "
+            f"{BLOCK}-blocks (experts: or with --expert-parallel), or without --quantize"
         )
 
 
