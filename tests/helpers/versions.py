@@ -52,6 +52,7 @@ class Deployment:
         redis_url: str,
         tp: int = 1,
         shape: ModelShape = SMALL_GQA,
+        **publisher: object,
     ) -> None:
         self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
         self.shape = shape
@@ -61,6 +62,7 @@ class Deployment:
             "checkpoint_dir": root / "checkpoints",
             "weights_dir": root / "weights",
             "publisher.tp": tp,
+            **{f"publisher.{name}": value for name, value in publisher.items()},
         }
         self.publisher = Publisher(load_config(env={}, overrides=settings))
         self.registry, self.evictor = self.publisher.registry, self.publisher.evictor

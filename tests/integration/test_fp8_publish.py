@@ -6,7 +6,8 @@ with head and partition sizes counted in 128-blocks for the scales). What a node
 rank (``VersionReader.rank_tensors``: one fused file, or per-rank files) must be those bytes,
 dense at tp 1, 2 and 4 (kv heads replicated at 4) and Qwen3-MoE at tp 2 and ep 2; the ``hf``
 layout is the FP8 checkpoint itself. A NaN is never published; a tp that cuts a scale block
-is refused as a setting.
+is refused as a setting. Through the daemon, FP8 versions are leased, verified and evicted as
+bf16 ones (their deltas: test_delta_publish.py).
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 import torch
 from safetensors.torch import load_file
 
 from weightcast.client.reader import VersionReader
 from weightcast.contract.errors import BlockCutError
 from weightcast.contract.fp8 import QUANTIZATION_CONFIG
+from weightcast.contract.keys import Keys
 from weightcast.contract.layout import LAYOUT_HF
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes, verify_files
 from weightcast.contract.model_shape import ModelShape
@@ -32,11 +35,13 @@ from weightcast.contract.snapshot_format import (
     read_complete,
 )
 from weightcast.contract.version_info import VersionInfo
+from weightcast.local.redis_server import RedisServer
 from weightcast_publisher.converter import ConvertOptions, Published, convert
 from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
 from helpers.models import hf_state, moe_shape, shape_of
 from helpers.snapshots import write_snapshot
+from helpers.versions import Deployment
 from vllm_reference import (
     fp8_block_quantize,
     fused_moe_rank,
@@ -220,3 +225,26 @@ def test_a_tp_that_cuts_a_scale_block_is_a_setting_refused_naming_the_tensor(
     with pytest.raises(BlockCutError, match=r"^model\.layers\.0\.mlp\.down_proj\.weight: "):
         publish(tmp_path, shape, state, tp=2)
     publish(tmp_path, shape, state, tp=1)  # whole blocks at tp 1
+
+
+def test_fp8_versions_are_leased_verified_and_evicted_as_bf16_ones(
+    client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Through the publisher daemon (``publisher.quantize fp8``, keep 1): a leased FP8 version
+    outlives newer ones and reads verified, per rank; released, it is evicted."""
+    deployment = Deployment(
+        client, keys, tmp_path, redis_server.url, tp=2, shape=DENSE, quantize="fp8", keep=1
+    )
+    deployment.publish()
+    reader = deployment.reader()
+    with reader.lease(1) as leased:
+        deployment.publish()
+        deployment.publish()
+        assert deployment.registry.live_versions() == [1, 3]
+        manifest = reader.verify(leased)
+        assert {t.dtype for t in manifest.tensors} == {"float8_e4m3fn", "float32", "bfloat16"}
+        parts = VersionReader(tmp_path / "weights").rank_tensors(leased, 1, 2)
+        assert parts["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+    deployment.evictor.run()
+    assert deployment.registry.live_versions() == [3]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v3"]
