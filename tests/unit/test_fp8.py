@@ -78,6 +78,28 @@ def test_dequantize_is_within_half_a_step_of_the_source() -> None:
         fp8.dequantize(q, scale[:1])
 
 
+def test_weights_as_an_fp8_version_serves_them() -> None:
+    """What the trainer's forward uses to score batches an FP8 engine sampled."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = hf_tensor_shapes(FP8_SHAPE)
+    weights = {
+        n: (torch.randn(s, generator=gen) * 0.05).to(torch.bfloat16) for n, s in shapes.items()
+    }
+    served = fp8.as_served(weights)
+    checkpoint: dict[str, torch.Tensor] = {}
+    for name, w in weights.items():
+        if fp8.is_quantized(name, tuple(w.shape)):
+            checkpoint[name], checkpoint[fp8.scale_name(name)] = fp8_block_quantize(w)
+        else:
+            checkpoint[name] = w
+    back = fp8.dequantize_checkpoint(checkpoint, torch.bfloat16)
+    assert sorted(back) == sorted(served) == sorted(weights)
+    for name, w in served.items():
+        assert w.dtype == torch.bfloat16 and torch.equal(back[name], w), name
+        same = torch.equal(w, weights[name])
+        assert same == (not fp8.is_quantized(name, tuple(w.shape))), name
+
+
 def test_which_tensors_are_quantized() -> None:
     shapes = hf_tensor_shapes(moe_shape())
     quantized = sorted(n for n, s in shapes.items() if fp8.is_quantized(n, s))

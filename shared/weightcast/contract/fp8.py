@@ -13,12 +13,14 @@ so that an all-zero block gets a tiny positive scale, never a zero one (its valu
 zero all the same); ``scale = amax / 448``; ``fp8 = (x * (1 / scale)).to(float8_e4m3fn)``. A
 block holding NaN or infinity has a non-finite scale: the publisher's finiteness check refuses
 the snapshot, so no such block is ever published. :func:`dequantize` is the inverse the
-trainer uses to score what an FP8 engine samples from.
+trainer uses to score what an FP8 engine samples from (:func:`as_served`: bf16 weights as an
+FP8 version serves them; :func:`dequantize_checkpoint`: an FP8 checkpoint's weights).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # torch only for the math; naming and the config need none
@@ -144,3 +146,28 @@ def dequantize(
     full = scale.float().repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
     out = fp8.float() * full[..., :rows, :cols]
     return out if dtype is None else out.to(dtype)
+
+
+def dequantize_checkpoint(
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """An FP8 checkpoint's tensors (HF or fused names) as the weights an FP8 engine computes
+    with: each weight that has a ``weight_scale_inv`` dequantized to ``dtype``, the scales
+    dropped, everything else as it is."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if weight_name(name) is not None:
+            continue
+        scale = tensors.get(scale_name(name)) if name.endswith("weight") else None
+        out[name] = tensor if scale is None else dequantize(tensor, scale, dtype)
+    return out
+
+
+def as_served(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF-named weights as an FP8 version of them serves them: each quantized weight
+    quantized and dequantized back to its dtype, the rest as it is (what a trainer's own
+    forward needs to score batches as the FP8 engine that sampled them)."""
+    return {
+        name: dequantize(*quantize(w), w.dtype) if is_quantized(name, tuple(w.shape)) else w
+        for name, w in weights.items()
+    }
