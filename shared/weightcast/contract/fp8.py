@@ -119,9 +119,12 @@ def apply_scales(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if tuple(scale.shape) != (blocks(rows), blocks(cols)):
         raise ValueError(f"scale {list(scale.shape)} does not fit a weight {[rows, cols]}")
     padded = _padded(weight)
-    view = padded.view(blocks(rows), BLOCK, blocks(cols), BLOCK)
     inverse = (1.0 / scale).view(blocks(rows), 1, blocks(cols), 1)
-    fp8 = (view * inverse).to(torch.float8_e4m3fn).view(padded.shape)
+    # the same float32 products as ``view * inverse``, 2-3x faster on a CPU: torch's
+    # broadcast multiply of bf16 by float32 is slow, in place on float32 it is not
+    values = padded.float() if padded.dtype != torch.float32 else padded.clone()
+    values.view(blocks(rows), BLOCK, blocks(cols), BLOCK).mul_(inverse)
+    fp8 = values.to(torch.float8_e4m3fn)
     return fp8 if padded is weight else fp8[:rows, :cols].contiguous()
 
 
