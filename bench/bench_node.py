@@ -209,6 +209,13 @@ def main() -> None:
     parser.add_argument(
         "--expert-parallel", action="store_true", help="MoE shapes: whole experts per rank"
     )
+    parser.add_argument(
+        "--quantize",
+        nargs="+",
+        default=["none"],
+        choices=["none", "fp8"],
+        help="publish a version per tp for each (fp8: publisher.quantize fp8), timed alike",
+    )
     parser.add_argument("--dir", type=Path, default=None, help="work directory (default: /tmp)")
     parser.add_argument("--no-drop", action="store_true", help="keep the page cache (not root)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
@@ -220,12 +227,15 @@ def main() -> None:
         weights = work / "weights"
         weights.mkdir()
         cases: dict[str, tuple[dict[str, Callable[[], int]], dict[str, int]]] = {}
-        for tp in args.tp:
-            convert(
-                snapshot, weights, tp, ConvertOptions(tp=tp, expert_parallel=args.expert_parallel)
+        pairs = [(tp, q) for tp in args.tp for q in args.quantize]
+        for version, (tp, quantize) in enumerate(pairs, start=1):
+            options = ConvertOptions(
+                tp=tp, expert_parallel=args.expert_parallel, quantize=quantize, delta=False
             )
-            info = registered(weights, tp)
+            convert(snapshot, weights, version, options)
+            info = registered(weights, version)
             ep = tp if args.expert_parallel else 1
+            kind = "" if quantize == "none" else f" {quantize}"
             for who, ranks in (("rank 0", [0]), (f"node ({tp} ranks)", list(range(tp)))):
                 if tp == 1 and who != "rank 0":
                     continue
@@ -237,7 +247,7 @@ def main() -> None:
                     "blocks": sum(n for r in blocks for _, _, n in r),
                 }
                 runs = {"raw": raw_update(own), "blocks": raw_update(blocks), "verify": verify}
-                cases[f"tp {tp} {who}"] = (runs, sizes)
+                cases[f"tp {tp}{kind} {who}"] = (runs, sizes)
         shutil.rmtree(snapshot.path)
         os.sync()
         load = [os.getloadavg()[0]]
@@ -265,7 +275,7 @@ def report(cases: dict, times: dict, args: argparse.Namespace, load: list[float]
         f"\n{machine}; {args.shape}{placement}, {cache} page cache, {args.rounds} rounds, {loads}"
     )
     print(
-        f"{'case':<20} {'held MB':>8} {'raw MB':>7} {'blocks MB':>9} {'raw s':>6} "
+        f"{'case':<24} {'held MB':>8} {'raw MB':>7} {'blocks MB':>9} {'raw s':>6} "
         f"{'blocks s':>8} {'verify s':>8} {'verify/raw':>17} {'blocks/raw':>17}"
     )
     rows = []
@@ -279,7 +289,7 @@ def report(cases: dict, times: dict, args: argparse.Namespace, load: list[float]
         rows.append(row)
         vr, br = row["verify_raw"], row["blocks_raw"]
         print(
-            f"{name:<20} {row['held_MB']:>8} {row['raw_MB']:>7} {row['blocks_MB']:>9} "
+            f"{name:<24} {row['held_MB']:>8} {row['raw_MB']:>7} {row['blocks_MB']:>9} "
             f"{row['raw_s']:>6.2f} {row['blocks_s']:>8.2f} {row['verify_s']:>8.2f} "
             f"{vr[0]:>6.2f} ({vr[1]:.2f}-{vr[2]:.2f}) {br[0]:>6.2f} ({br[1]:.2f}-{br[2]:.2f})"
         )

@@ -19,6 +19,7 @@ under the publish on this machine.
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --rounds 7 --format dcp-torchsave
     .venv/bin/python bench/bench_publisher.py --shapes 0.6B --stages --no-delta
     .venv/bin/python bench/bench_publisher.py --shapes 30B-A3B-2L --tp 4 --expert-parallel
+    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --quantize fp8   # FP8 versions
 """
 
 from __future__ import annotations
@@ -213,6 +214,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
     command += ["--reader", args.reader, "--rescan-seconds", "30", "--layout", args.layout]
     command += ["--digest", args.digest, "--keep", "1", "--delta" if args.delta else "--no-delta"]
     command += ["--expert-parallel"] if args.expert_parallel else []
+    command += ["--quantize", args.quantize]
     daemon = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -243,6 +245,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
                     assert json.loads(message["data"])["event"] == "published"
                     break
             publish.append(time.perf_counter() - start)
+            version_bytes = weights_bytes(weights)
             events.get_message(timeout=0.5)  # an eviction event, if any
             shutil.rmtree(checkpoints / f"step-{step}", ignore_errors=True)  # disk for 8B
         rss = peak_rss_mb(daemon.pid)
@@ -264,7 +267,18 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
         "ratio_max": max(ratios),
         "publish_GBps": nbytes / statistics.median(publish) / 1e9,
         "peak_rss_mb": rss,
+        "version_bytes": version_bytes,
     }
+
+
+def weights_bytes(weights: Path) -> int:
+    """The weights files' bytes of the newest version (its deltas and JSON left out)."""
+    newest = max(
+        (p for p in weights.iterdir() if p.name.startswith("v")), key=lambda p: int(p.name[1:])
+    )
+    return sum(
+        f.stat().st_size for f in newest.rglob("*") if f.suffix in (".vllm-fused", ".safetensors")
+    )
 
 
 def main() -> None:
@@ -277,6 +291,7 @@ def main() -> None:
     )
     parser.add_argument("--layout", default="vllm-fused", choices=["vllm-fused", "hf", "both"])
     parser.add_argument("--reader", default="auto", choices=["auto", "dcp-load"])
+    parser.add_argument("--quantize", default="none", choices=["none", "fp8"])
     parser.add_argument("--digest", default="xxh3-128", choices=["xxh3-128", "blake3"])
     parser.add_argument(
         "--format",
@@ -301,11 +316,11 @@ def main() -> None:
     machine = f"{platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
     settings = f"format={args.format} reader={args.reader} layout={args.layout} tp={args.tp}"
     settings += " expert-parallel" if args.expert_parallel else ""
-    settings += f" delta={'on' if args.delta else 'off'}"
+    settings += f" delta={'on' if args.delta else 'off'} quantize={args.quantize}"
     print(f"{machine}; {settings} digest={args.digest} rounds={args.rounds} dir={root}")
     print(
         f"{'shape':>6} {'GB':>6} {'cp+fsync s':>10} {'publish s':>10} {'ratio':>6} "
-        f"{'spread':>11} {'GB/s':>5} {'RSS MB':>7}"
+        f"{'spread':>11} {'GB/s':>5} {'RSS MB':>7} {'version GB':>10}"
     )
     results = []
     with RedisServer(root / "redis") as server:
@@ -315,7 +330,8 @@ def main() -> None:
             print(
                 f"{name:>6} {r['bytes'] / 1e9:6.2f} {r['cp_fsync_s']:10.3f} {r['publish_s']:10.3f} "
                 f"{r['ratio']:6.2f} {r['ratio_min']:5.2f}..{r['ratio_max']:<5.2f} "
-                f"{r['publish_GBps']:5.2f} {r['peak_rss_mb']:7.0f}",
+                f"{r['publish_GBps']:5.2f} {r['peak_rss_mb']:7.0f} "
+                f"{r['version_bytes'] / 1e9:10.3f}",
                 flush=True,
             )
             if args.stages:

@@ -112,3 +112,21 @@ def fused_moe_rank(
         w13.append(torch.cat([gates[e][rows], ups[e][rows]]))
         w2.append(downs[e][:, rows])
     return torch.stack(w13), torch.stack(w2)
+
+
+def fp8_block_quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published Qwen3 FP8 format from its definition, one 128 x 128 block at a time, as
+    vLLM's reference quantizer (``per_block_cast_to_fp8``) states it: ``scale = max(amax,
+    1e-4) / 448`` in float32, ``fp8 = (x * (1 / scale)).to(float8_e4m3fn)``; returns the
+    ``float8_e4m3fn`` weight and its float32 ``weight_scale_inv``."""
+    rows, cols = weight.shape
+    out = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(-(-rows // 128), -(-cols // 128))
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            at = (slice(i * 128, (i + 1) * 128), slice(j * 128, (j + 1) * 128))
+            block = weight[at].float()
+            scale = torch.tensor(max(block.abs().max().item(), 1e-4), dtype=torch.float32) / 448
+            scales[i, j] = scale
+            out[at] = (block * (1 / scale)).to(torch.float8_e4m3fn)
+    return out, scales

@@ -24,13 +24,15 @@ from typing import Any
 
 from weightcast.contract.delta import Delta
 from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
-from weightcast.contract.errors import LayoutError
+from weightcast.contract.errors import BlockCutError, LayoutError
 from weightcast.contract.experts import check_placement
+from weightcast.contract.fp8 import QUANTIZE_FP8, QUANTIZE_NONE, quantized_config
 from weightcast.contract.fusion import check_tp
 from weightcast.contract.layout import LAYOUT_HF, LAYOUT_VLLM_FUSED, fused_config
 from weightcast.contract.manifest import (
     DEFAULT_DIGEST,
     MANIFEST_NAME,
+    MIXED_DTYPE,
     FileEntry,
     Manifest,
     TensorEntry,
@@ -45,6 +47,7 @@ from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.contract.version_info import version_dir_name
 from weightcast.store.base import PartUpload, RemoteStore
 from weightcast_publisher.delta_writer import DeltaSink, find_base
+from weightcast_publisher.quantized_source import QuantizedSource
 from weightcast_publisher.safetensors_writer import (
     NonFiniteTensor,
     OutputTensor,
@@ -76,6 +79,9 @@ class ConvertOptions:
     ep = tp) instead of each expert split over the ranks (ep = 1)."""
     delta_max_ratio: float = 0.5
     """Drop the delta once its frames hold more than this fraction of the bytes they cover."""
+    quantize: str = QUANTIZE_NONE
+    """``fp8``: linear weights as block-scaled FP8 with their scales
+    (:mod:`weightcast.contract.fp8`); ``none``: as the snapshot holds them."""
 
     @property
     def ep(self) -> int:
@@ -142,7 +148,9 @@ def convert(
     """
     options = options or ConvertOptions()
     config = read_config(snapshot)
-    source = open_source(snapshot, options.reader)
+    source: Source = open_source(snapshot, options.reader)
+    if options.quantize == QUANTIZE_FP8:
+        source, config = QuantizedSource(source), quantized_config(config)
     plan = _plan(source, config, options)
     tmp = weights_dir / f"{TMP_VERSION_PREFIX}{version}"
     final = weights_dir / version_dir_name(version)
@@ -192,6 +200,8 @@ def _plan(source: Source, config: dict[str, Any], options: ConvertOptions) -> Ve
         return plan_version(
             source.tensors, shape, options.tp, options.layout, options.per_rank_files, options.ep
         )
+    except BlockCutError:
+        raise  # a tp that cuts FP8 scale blocks: the setting is wrong
     except LayoutError as exc:
         raise CorruptSnapshot(str(exc)) from None
 
@@ -331,7 +341,7 @@ def _manifest(
         snapshot_id=snapshot.info.snapshot_id,
         layout=LAYOUT_HF if plan.layout == LAYOUT_HF else LAYOUT_VLLM_FUSED,
         tp=plan.tp,
-        dtype=dtypes.pop() if len(dtypes) == 1 else "mixed",
+        dtype=dtypes.pop() if len(dtypes) == 1 else MIXED_DTYPE,
         files=files,
         tensors=tensors,
         per_rank_files=plan.per_rank_files,

@@ -109,6 +109,7 @@ class Publisher:
             cfg.delta,
             cfg.expert_parallel,
             cfg.delta_max_ratio,
+            cfg.quantize,
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
@@ -212,6 +213,7 @@ class Publisher:
             layout=self.cfg.layout,
             per_rank_files=self.cfg.per_rank_files,
             expert_parallel=self.cfg.expert_parallel,
+            quantize=self.cfg.quantize,
             digest=self.cfg.digest,
             keep=self.cfg.keep,
             holder=self.lock.holder,

@@ -53,9 +53,11 @@ class Deployment:
         tp: int = 1,
         shape: ModelShape = SMALL_GQA,
         store: dict[str, object] | None = None,
+        **publisher: object,
     ) -> None:
         """``store``: the object-store settings (``weights_url``, ``s3_endpoint_url``...)
-        when versions go to a bucket rather than stay in ``root/weights``."""
+        when versions go to a bucket rather than stay in ``root/weights``; ``publisher``:
+        more ``publisher.*`` settings (``quantize="fp8"``)."""
         self.client, self.keys, self.root, self.redis_url = client, keys, root, redis_url
         self.shape = shape
         settings = {
@@ -65,6 +67,7 @@ class Deployment:
             "weights_dir": root / "weights",
             "publisher.tp": tp,
             **(store or {}),
+            **{f"publisher.{name}": value for name, value in publisher.items()},
         }
         config = load_config(env={}, overrides=settings)
         self.location = config.common.weights_location()

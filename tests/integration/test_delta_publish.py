@@ -2,7 +2,8 @@
 published by the real converter give, block by block, an empty frame where the block did not
 change and zstd of the XOR of the two versions' bytes where it did (one fused file, per-rank
 files, blocks cut between ranks, a file linked from the snapshot), which a node holding the
-first version applies to end bitwise equal to reading the second in full. A base with
+first version applies to end bitwise equal to reading the second in full; FP8 versions the
+same way (the XOR of their FP8 bytes and float32 scales). A base with
 another plan gives no delta; a base file that is short or gone gives a version without one.
 """
 
@@ -96,6 +97,8 @@ OPTIONS = {
     "blocks cut between 2 ranks": ConvertOptions(tp=2),
     "per-rank files at tp 2": ConvertOptions(tp=2, per_rank_files=True),
     "a file linked from the snapshot": ConvertOptions(layout=LAYOUT_HF),
+    "fp8, per-rank files at tp 2": ConvertOptions(tp=2, per_rank_files=True, quantize="fp8"),
+    "fp8, the hf layout": ConvertOptions(layout=LAYOUT_HF, quantize="fp8"),
 }
 
 
@@ -109,8 +112,8 @@ def test_every_frame_is_the_xor_of_the_two_versions_block(
     assert v1.manifest.delta is None  # no base yet
     v2 = convert(second, weights, 2, options)
     verify_files(v2.path, v2.manifest)  # the delta file's own block digests included
-    if options.layout == LAYOUT_HF:
-        assert v1.linked == v2.linked == 1  # the delta came through the linked file's read
+    if options.layout == LAYOUT_HF:  # the delta came through the linked file's read
+        assert v1.linked == v2.linked == (options.quantize == "none")  # FP8: computed
     delta = v2.manifest.delta
     assert delta is not None and delta.base_version == 1
     assert delta.base_manifest_sha256 == v1.manifest_sha256

@@ -129,6 +129,7 @@ class Registry:
         layout: str = "vllm-fused",
         per_rank_files: bool = False,
         expert_parallel: bool = False,
+        quantize: str = "none",
     ) -> int:
         """Write ``state`` as the trainer's next snapshot and run one pass of the publisher
         (in this process, with these layout settings); the new version's number."""
@@ -146,6 +147,7 @@ class Registry:
             "publisher.layout": layout,
             "publisher.per_rank_files": per_rank_files,
             "publisher.expert_parallel": expert_parallel,
+            "publisher.quantize": quantize,
             "publisher.keep": 1000,
             # The tier's versions are unrelated random states: keep their deltas whatever
             # their size, so that engines load by delta (the default drops a delta over half

@@ -44,6 +44,11 @@ class LayoutError(WeightcastError, ValueError):
     """A model/tp combination or a set of tensors the layout cannot serve."""
 
 
+class BlockCutError(LayoutError):
+    """A tp or expert placement whose shards cut a 128-block of FP8 scales (vLLM refuses it):
+    the setting is wrong, not the snapshot."""
+
+
 class RedisUnavailable(WeightcastError, ConnectionError):
     """Redis did not answer for longer than the process was told to wait for it."""
 

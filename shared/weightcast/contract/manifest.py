@@ -41,6 +41,8 @@ MANIFEST_FORMATS = ("weightcast.manifest/1", "weightcast.manifest/2", MANIFEST_F
 """The formats this weightcast reads. Format 3 stores row-parallel tensors per rank
 (``row_parallel_ranks``); a node older than it refuses a format 3 version."""
 BLOCK_BYTES = 4 * 1024 * 1024
+MIXED_DTYPE = "mixed"
+"""A version's ``dtype`` when its tensors have several (FP8 weights, float32 scales, bf16)."""
 DEFAULT_DIGEST = "xxh3-128"
 DIGESTS = ("xxh3-128", "blake3")
 """Block digest algorithms a manifest may name (``sha256`` is format 1's whole-file one)."""
@@ -258,7 +260,7 @@ class Manifest:
             snapshot_id=top.text("snapshot_id"),
             layout=context.layout,
             tp=context.tp,
-            dtype=top.text("dtype", TORCH_NAMES.values()),
+            dtype=top.text("dtype", (*TORCH_NAMES.values(), MIXED_DTYPE)),
             files=files,
             tensors=[
                 _tensor_entry(t, i, context, by_name) for i, t in enumerate(top.items("tensors"))

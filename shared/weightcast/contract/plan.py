@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from weightcast.contract.block_scales import scale_regions, scale_rows, scale_shard
 from weightcast.contract.errors import LayoutError
 from weightcast.contract.experts import ExpertTensor, is_expert_source, plan_experts
+from weightcast.contract.fp8 import scale_name, weight_name
 from weightcast.contract.fusion import FusedTensor, natural_key, plan_vllm_fused
 from weightcast.contract.layout import (
     FUSED_WEIGHTS_FILE,
@@ -114,12 +116,13 @@ def plan_version(
     per_rank = per_rank_files and tp > 1
     fused: tuple[PlannedFile, ...] = ()
     if layout != LAYOUT_HF:
-        rows = {n: s[0] for n, (_, s) in sources.items()}
+        rows = {n: s[0] for n, (_, s) in sources.items() if weight_name(n) not in sources}
         dense = {n: r for n, r in rows.items() if not is_expert_source(n)}
         whole = [_fused_whole(p, sources) for p in plan_vllm_fused(dense, shape, tp)]
         if shape.moe:
             whole += [_expert_whole(p, sources) for p in plan_experts(rows, shape, tp, ep)]
-            whole.sort(key=lambda t: natural_key(t.name))
+        whole += [_scale_of(t, sources) for t in whole if _scaled(t, sources)]
+        whole.sort(key=lambda t: natural_key(t.name))
         if per_rank:
             fused = tuple(
                 PlannedFile(
@@ -148,6 +151,26 @@ def _expert_whole(
     p: ExpertTensor, sources: Mapping[str, tuple[str, Sequence[int]]]
 ) -> PlannedTensor:
     return PlannedTensor(p.name, _one_dtype(p.name, p.pieces, sources), p.shape, p.pieces, p.shard)
+
+
+def _scaled(tensor: PlannedTensor, sources: Mapping[str, tuple[str, Sequence[int]]]) -> bool:
+    """Whether ``tensor`` is made of FP8 weights, each with its scales among the sources."""
+    return tensor.name.endswith("weight") and all(
+        r.source.endswith("weight") and scale_name(r.source) in sources for r in tensor.regions
+    )
+
+
+def _scale_of(
+    tensor: PlannedTensor, sources: Mapping[str, tuple[str, Sequence[int]]]
+) -> PlannedTensor:
+    """The scale of the FP8 weight ``tensor``: the same ranges of its sources' scales."""
+    shapes = {r.source: sources[r.source][1] for r in tensor.regions}
+    regions = scale_regions(tensor.name, tensor.regions, shapes)
+    name = scale_name(tensor.name)
+    dtype = _one_dtype(name, regions, sources)
+    return PlannedTensor(
+        name, dtype, scale_rows(tensor.shape, regions), regions, scale_shard(tensor.shard)
+    )
 
 
 def _one_dtype(

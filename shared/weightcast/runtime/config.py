@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from weightcast.contract.fp8 import QUANTIZE_CHOICES
 from weightcast.contract.keys import NAMESPACE_PATTERN
 from weightcast.contract.layout import LAYOUTS
 from weightcast.contract.manifest import DEFAULT_DIGEST, DIGESTS
@@ -383,6 +384,14 @@ class PublisherConfig:
         "experts per rank, ep = tp; tp must divide the experts) instead of splitting each "
         "expert's intermediate dimension over the tp ranks",
         flag="--expert-parallel",
+    )
+    quantize: str = setting(
+        "none",
+        "fp8: publish linear weights as block-scaled FP8 (e4m3, a float32 scale per 128x128 "
+        "block, as the published Qwen3 FP8 checkpoints; embedding, norms, router and lm_head "
+        "stay bf16) that vLLM serves with its FP8 kernels; none: as the snapshot holds them",
+        flag="--quantize",
+        choices=QUANTIZE_CHOICES,
     )
     reader: str = setting(
         "auto",
