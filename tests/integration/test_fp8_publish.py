@@ -230,10 +230,19 @@ def test_a_tp_that_cuts_a_scale_block_is_a_setting_refused_naming_the_tensor(
 def test_fp8_versions_are_leased_verified_and_evicted_as_bf16_ones(
     client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """Through the publisher daemon (``publisher.quantize fp8``, keep 1): a leased FP8 version
-    outlives newer ones and reads verified, per rank; released, it is evicted."""
+    """Through the publisher daemon (``publisher.quantize fp8``, keep 1, no delta window): a
+    leased FP8 version outlives newer ones and reads verified, per rank; released, it is
+    evicted."""
     deployment = Deployment(
-        client, keys, tmp_path, redis_server.url, tp=2, shape=DENSE, quantize="fp8", keep=1
+        client,
+        keys,
+        tmp_path,
+        redis_server.url,
+        tp=2,
+        shape=DENSE,
+        quantize="fp8",
+        keep=1,
+        delta_window=0,
     )
     deployment.publish()
     reader = deployment.reader()
