@@ -36,3 +36,14 @@ def s3_client(server: S3Server, retries: int = 1) -> Any:
         region_name=env["AWS_DEFAULT_REGION"],
         config=Config(retries={"max_attempts": retries, "mode": "standard"}),
     )
+
+
+def store_settings(server: S3Server, bucket: str, retry_seconds: float = 60) -> dict[str, object]:
+    """The settings that put a deployment's versions in ``s3://bucket/run`` on ``server``
+    (``retry_seconds``: how long a call rides out the server's absence)."""
+    return {
+        "weights_url": f"s3://{bucket}/run",
+        "s3_endpoint_url": server.endpoint_url,
+        "s3_addressing_style": "path",
+        "store_retry_seconds": retry_seconds,
+    }

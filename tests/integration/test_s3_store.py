@@ -27,20 +27,11 @@ from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
 from helpers.models import shape_of
-from helpers.s3 import s3_client
+from helpers.s3 import s3_client, store_settings
 from helpers.snapshots import write_snapshot
 from helpers.versions import Deployment
 
 pytestmark = pytest.mark.usefixtures("s3_env")
-
-
-def store_settings(server: S3Server, bucket: str) -> dict[str, object]:
-    return {
-        "weights_url": f"s3://{bucket}/run",
-        "s3_endpoint_url": server.endpoint_url,
-        "s3_addressing_style": "path",
-        "store_retry_seconds": 1,
-    }
 
 
 @pytest.fixture
@@ -52,7 +43,7 @@ def deployment(
     s3_server: S3Server,
     s3_bucket: str,
 ) -> Deployment:
-    settings = store_settings(s3_server, s3_bucket)
+    settings = store_settings(s3_server, s3_bucket, retry_seconds=1)
     return Deployment(client, keys, tmp_path, redis_server.url, tp=2, store=settings)
 
 
@@ -219,7 +210,7 @@ def private_deployment(
     for name, value in private_s3_server.client_env().items():
         monkeypatch.setenv(name, value)
     private_s3_server.create_bucket("faults")
-    settings = store_settings(private_s3_server, "faults")
+    settings = store_settings(private_s3_server, "faults", retry_seconds=1)
     return Deployment(client, keys, tmp_path, redis_server.url, tp=2, store=settings)
 
 

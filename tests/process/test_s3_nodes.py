@@ -29,18 +29,10 @@ from helpers.processes import (
     stop,
     with_test_modules,
 )
-from helpers.s3 import s3_process_env
+from helpers.s3 import s3_process_env, store_settings
 from helpers.versions import Deployment
 
 pytestmark = pytest.mark.slow
-
-
-def store_settings(server: S3Server, bucket: str) -> dict[str, object]:
-    return {
-        "weights_url": f"s3://{bucket}/run",
-        "s3_endpoint_url": server.endpoint_url,
-        "s3_addressing_style": "path",
-    }
 
 
 def node_env(
