@@ -558,7 +558,7 @@ def fanout_part(args: argparse.Namespace, endpoint: str, rank: dict) -> dict:
 CLIENTS = r"""
 import json, os, statistics, subprocess, sys, threading, time
 from concurrent.futures import ThreadPoolExecutor
-endpoint, path, s5cmd, rounds = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+endpoint, path, s5cmd, round_ = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 bucket, size, part = "bench", os.path.getsize(path), 16 << 20
 import boto3
 from boto3.s3.transfer import TransferConfig
@@ -600,15 +600,15 @@ if ob is not None:
     cases[2:2] = [("obstore put", ob_put, "put")]
     cases += [("obstore threaded get_range", ob_get, "get"),
               ("obstore get_ranges", ob_get_ranges, "get")]
-s5_put("clients/source")
-times = {name: [] for name, _, _ in cases}
-for r in range(rounds):
-    for name, fn, kind in cases:
-        key = f"clients/{r}-{len(times[name])}" if kind == "put" else "clients/source"
-        start = time.perf_counter(); fn(key); times[name].append(time.perf_counter() - start)
-print(json.dumps({name: statistics.median(t) for name, t in times.items()}))
+if round_ == 0:
+    s5_put("clients/source")
+times = {}
+for index, (name, fn, kind) in enumerate(cases):
+    key = f"clients/{round_}-{index}" if kind == "put" else "clients/source"
+    start = time.perf_counter(); fn(key); times[name] = time.perf_counter() - start
+print(json.dumps(times))
 """
-"""Each S3 client candidate, put and get of one file, rounds interleaved; medians as JSON."""
+"""Each S3 client candidate once, put and get of one file (round ``argv[4]``); seconds as JSON."""
 
 
 def clients_part(args: argparse.Namespace, endpoint: str, work: Path) -> dict:
@@ -618,23 +618,24 @@ def clients_part(args: argparse.Namespace, endpoint: str, work: Path) -> dict:
             f.write(os.urandom(16 << 20))
     size = path.stat().st_size
     python = args.client_python or sys.executable
-    command = [python, "-c", CLIENTS, endpoint, str(path), tool("s5cmd"), str(args.rounds)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"clients failed:\n{done.stderr[-3000:]}")
-    figures = json.loads(done.stdout.splitlines()[-1])
     store = open_store(location(endpoint, "clients-wc"))
     assert isinstance(store, S3Store)
     put_name, get_name = "weightcast S3Store.upload_file", "weightcast S3Object.read_into"
-    own: dict[str, list[float]] = {put_name: [], get_name: []}
+    times: dict[str, list[float]] = {}
     buffer = memoryview(bytearray(size))
-    for round_ in range(args.rounds):
-        own[put_name].append(
-            timed(lambda r=round_: store.upload_file(path, store.key(f"c{r}", "f")))
-        )
+    for round_ in range(args.rounds):  # the candidates, then weightcast's own, each round
+        command = [python, "-c", CLIENTS, endpoint, str(path), tool("s5cmd"), str(round_)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"clients failed:\n{done.stderr[-3000:]}")
+        got = json.loads(done.stdout.splitlines()[-1])
+        got[put_name] = timed(lambda r=round_: store.upload_file(path, store.key(f"c{r}", "f")))
         with store.open_version(f"c{round_}") as version, version.open("f") as f:
-            own[get_name].append(timed(lambda f=f: f.read_into([buffer], 0)))
-    figures |= {name: statistics.median(t) for name, t in own.items()}
+            got[get_name] = timed(lambda f=f: f.read_into([buffer], 0))
+        for name, seconds in got.items():
+            times.setdefault(name, []).append(seconds)
+        print(f"  clients round {round_ + 1}: {fmt(got)}", flush=True)
+    figures = {name: statistics.median(t) for name, t in times.items()}
     print(f"S3 clients, one {size / 2**30:.2f} GiB file, medians of {args.rounds}:")
     for name, seconds in figures.items():
         print(f"  {name:<40} {seconds:6.2f} s {size / seconds / 1e6:6.0f} MB/s", flush=True)
@@ -652,7 +653,7 @@ def part(run: Callable[..., dict], *args: object) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
+    parser.add_argument("--parts", nargs="*", default=list(PARTS), choices=PARTS)
     parser.add_argument("--shape", default="0.6B", choices=list(SHAPES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tp", type=int, default=8, help="rank, fanout: the version's tp")
