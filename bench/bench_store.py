@@ -26,7 +26,10 @@ first in turn), medians and the median of the per-round ratios:
 * ``delta``: v1 and v2 (``--changed`` percent of the values moved one ulp at random places,
   ``bench_delta.moved_copy``: an Adam step at a small lr on a bf16 copy) converted at tp 1, v2
   with its delta, both uploaded; a node holding v1 (``keep_base``) reads v2 by delta, against a
-  fresh node reading v2 in full.
+  fresh node reading v2 in full, and the same update from the publisher's warm directory
+  (``local``: no transfer, the update's CPU alone). Where the publisher drops the delta (its
+  encoding fell behind the write, on a loaded machine), v2 is converted again with the
+  encoding let finish: this part measures the node.
 * ``fanout``: ``--nodes`` node processes, started once and waiting, each reading the whole tp-8
   version (ranks 0..7 in turn, every block verified, each rank dropped before the next, so a
   node holds an eighth of the model at once) when told; the time from "go" to the last one
