@@ -59,6 +59,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -80,7 +81,7 @@ from weightcast.contract.model_shape import SHAPES
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.store.factory import open_store
-from weightcast.store.s3 import PART_BYTES, S3Store
+from weightcast.store.s3 import PART_BYTES, S3Object, S3Store
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.delta_writer import DeltaSink
 from weightcast_publisher.snapshot_scan import Snapshot
@@ -377,11 +378,15 @@ def rank_part(args: argparse.Namespace, endpoint: str, snapshot: Snapshot, work:
             seconds += s5cmd(endpoint, "cat", "-c", "16", "-p", "16", url)
         return {"s5cmd_objects": seconds, "s5cmd": seconds * own_bytes / object_bytes}
 
+    gets, alone = in_flight(lambda: VersionReader(store).rank_tensors(info, 0, args.tp))
     rows = []
     for round_ in range(args.rounds):
         rows.append(alternate(round_, {"verify": verified, "raw": raw, "s5cmd": baseline}))
         print(f"  rank round {round_ + 1}: {fmt(rows[-1])}", flush=True)
     result = {
+        "gets": len(gets),
+        "gets_alone": alone,
+        "get_median_bytes": statistics.median(gets),
         "own_bytes": own_bytes,
         "held_bytes": held,
         "object_bytes": object_bytes,
@@ -402,10 +407,34 @@ def rank_part(args: argparse.Namespace, endpoint: str, snapshot: Snapshot, work:
         f"own ranges {result['raw_s']:.2f} s: {spread(result['verify_raw'])}; s5cmd cat of the "
         f"{len(objects)} object(s) it reads ({object_bytes / 1e6:.0f} MB) "
         f"{result['s5cmd_objects_s']:.2f} s, scaled to its own bytes {result['s5cmd_s']:.2f} s: "
-        f"{spread(result['verify_s5cmd'])} (goal <= 1.15x)",
+        f"{spread(result['verify_s5cmd'])} (goal <= 1.15x)\n  an untimed verified fetch made "
+        f"{len(gets)} GETs (median {statistics.median(gets) / 1e6:.1f} MB), {alone} of them "
+        "with no other in flight",
         flush=True,
     )
     return result | {"store": store, "info": info}
+
+
+def in_flight(call: Callable[[], object]) -> tuple[list[int], int]:
+    """``call()`` with ``S3Object._get`` counted: each GET's bytes, and how many started with
+    no other GET in flight."""
+    lock, now, alone, sizes = threading.Lock(), [0], [0], []
+    get = S3Object._get
+
+    def counted(self: S3Object, offset: int, views: list[memoryview]) -> None:
+        with lock:
+            now[0] += 1
+            alone[0] += now[0] == 1
+            sizes.append(sum(len(v) for v in views))
+        try:
+            get(self, offset, views)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    with patched(S3Object, "_get", counted):
+        call()
+    return sizes, alone[0]
 
 
 # delta
