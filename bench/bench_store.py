@@ -22,7 +22,8 @@ first in turn), medians and the median of the per-round ratios:
   does) as ranged GETs on the same boto3 client, 16 in flight, no verification; and (b)
   ``s5cmd``: ``s5cmd`` has no ranged get, so ``s5cmd cat -c 16 -p 16`` of each object the rank
   reads, to ``/dev/null``, timed, and scaled to the rank's own bytes (its throughput moving
-  them). Also the bytes read over the rank's own bytes (``ReadStats.bytes_read``).
+  them). Also the bytes read over the rank's own bytes (``ReadStats.bytes_read``), and in one
+  more, untimed, fetch its GETs and how many started with no other in flight.
 * ``delta``: v1 and v2 (``--changed`` percent of the values moved one ulp at random places,
   ``bench_delta.moved_copy``: an Adam step at a small lr on a bf16 copy) converted at tp 1, v2
   with its delta, both uploaded; a node holding v1 (``keep_base``) reads v2 by delta, against a
@@ -41,6 +42,8 @@ first in turn), medians and the median of the per-round ratios:
     PYTHONPATH=shared:trainer:publisher:bench .venv/bin/python bench/bench_store.py
     PYTHONPATH=shared:trainer:publisher:bench .venv/bin/python bench/bench_store.py \\
         --parts rank delta --rounds 3 --clients
+    PYTHONPATH=shared:trainer:publisher:bench .venv/bin/python bench/bench_store.py \\
+        --shape tiny --tp 2 --nodes 3 --rounds 1 --clients --clients-mib 64   # a smoke run
 """
 
 from __future__ import annotations
