@@ -415,8 +415,10 @@ class S3Object:
         if len(ranges) == 1:
             self._get(*ranges[0])
             return
-        for future in [self.store.pool.submit(self._get, *r) for r in ranges]:
-            future.result()
+        gets = [self.store.pool.submit(self._get, *r) for r in ranges]
+        wait(gets)  # none still writes into the caller's buffers once this returns or raises
+        for get in gets:
+            get.result()
 
     def _get(self, offset: int, views: list[memoryview]) -> None:
         """Bytes ``[offset, offset + total)`` into ``views``, retried whole on an outage."""
