@@ -111,6 +111,7 @@ def test_the_wheel_holds_the_three_packages_by_role(tmp_path: Path) -> None:
         if line.startswith("Requires-Dist:") and "extra ==" not in line
     ]
     assert sorted(r.split(">")[0].split("=")[0].split("<")[0] for r in requires) == [
+        "boto3",
         "numpy",
         "redis",
         "safetensors",
