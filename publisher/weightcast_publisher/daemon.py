@@ -36,10 +36,18 @@ from weightcast.contract.errors import (
     StoreFull,
     StoreUnavailable,
     WeightcastError,
+    WeightsError,
 )
 from weightcast.contract.events import Published as PublishedEvent
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, SNAPSHOT_SKIPPED, Keys
-from weightcast.contract.manifest import ManifestError, new_hasher
+from weightcast.contract.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    ManifestError,
+    new_hasher,
+    sha256_bytes,
+    sha256_file,
+)
 from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.snapshot_format import snapshot_step
 from weightcast.contract.version_info import VersionInfo, dir_version, version_dir_name
@@ -143,6 +151,8 @@ class Publisher:
         self.last_error = ""
         self.last_tick = time.monotonic()
         self.announced_standby = False
+        self.live_versions_stored = False
+        """Whether the store was checked for the live versions since the lock was taken."""
         self.watcher: SnapshotWatcher | None = None
         self._health_redis = redis_client(config.common.redis_url, timeout=1)
 
@@ -239,6 +249,7 @@ class Publisher:
             self.metrics.leader.set(1)
             self.clean_weights_dir()
             self.lock.start_renewing()
+            self.live_versions_stored = False
             return True
         if not self.announced_standby:
             log.info("standing by: another publisher is active", holder=self.lock.current_holder())
@@ -251,6 +262,9 @@ class Publisher:
         if not self.lock.held and not self.lock.try_acquire():
             log.info("not the active publisher; scan skipped")
             return
+        if not self.live_versions_stored:
+            self.upload_live_versions()
+            self.live_versions_stored = True
         pending = self.pending_snapshots()
         if pending:
             self.publish(pending[-1])
@@ -506,6 +520,41 @@ class Publisher:
                 removed.append(f"{unfinished} unfinished uploads")
         if removed:
             log.info("removed leftovers of an earlier run", entries=",".join(sorted(removed)))
+
+    def upload_live_versions(self) -> None:
+        """Put into the store each live version it lacks and the weights directory holds (the
+        deployment moved to a new bucket, or the bucket was emptied), under its own number:
+        nodes then load it instead of waiting for the next version, which the trainer could
+        only train from their rollouts. Only a local copy whose manifest is the registered one
+        goes up, and what an interrupted upload of it left is replaced."""
+        if self.remote is None:
+            return
+        for version in self.registry.live_versions():
+            name = version_dir_name(version)
+            registered = self.registry.manifest_sha256(version)
+            if self.stored_manifest_sha256(name) == registered:
+                continue
+            manifest = self.weights_dir / name / MANIFEST_NAME
+            if not manifest.is_file() or sha256_file(manifest) != registered:
+                log.warning(
+                    "a live version is in neither the store nor the weights directory; "
+                    "nodes cannot load it",
+                    version=version,
+                    store=self.remote.label,
+                )
+                continue
+            self.remote.remove_version(name)
+            self.remote.upload_version(name, manifest.parent)
+            log.info("uploaded a live version the store lacked", version=version)
+
+    def stored_manifest_sha256(self, name: str) -> str:
+        """The SHA-256 of the manifest under ``name`` in the store; empty when it has none."""
+        assert self.remote is not None
+        try:
+            with self.remote.open_version(name) as stored:
+                return sha256_bytes(stored.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES))
+        except WeightsError:
+            return ""
 
     def health(self) -> Health:
         """Unhealthy when Redis does not answer, a failure is being retried, or the loop has

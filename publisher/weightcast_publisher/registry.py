@@ -79,6 +79,10 @@ class Registry:
     def live_versions(self) -> list[int]:
         return [int(v) for v in self.client.zrange(self.keys.versions, 0, -1)]
 
+    def manifest_sha256(self, version: int) -> str:
+        """The SHA-256 of ``version``'s manifest as registered (empty: no entry)."""
+        return (self.client.hget(self.keys.version(version), "manifest_sha256") or b"").decode()
+
     def delta_from(self, version: int) -> int:
         """The version whose delta was written beside ``version`` (0: none, or no entry)."""
         return int(self.client.hget(self.keys.version(version), "delta_from") or 0)

@@ -5,6 +5,7 @@ changed objects are refused; outages of the store and a full bucket are ridden o
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import redis
 import torch
 
+import weightcast.client.node as node_module
 from weightcast.client.node import Node
 from weightcast.client.reader import VersionReader
 from weightcast.contract.errors import StoreFull, StoreUnavailable, WeightsError
@@ -94,6 +96,41 @@ def test_a_node_that_keeps_its_base_reads_the_next_version_by_delta_from_the_buc
         assert all(torch.equal(got[k], expected[k]) for k in expected)
         deployment.publish()
     assert node.files.stats.via == "delta", node.files.stats.reason
+
+
+def test_a_deployment_moved_to_a_bucket_uploads_its_live_versions_which_nodes_wait_for(
+    client: redis.Redis,
+    keys: Keys,
+    tmp_path: Path,
+    redis_server: RedisServer,
+    s3_server: S3Server,
+    s3_bucket: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``weights_url`` set on a running deployment: the versions registered before are in
+    the weights directory only. A node that asks for the newest before the publisher is back
+    waits for it rather than refusing it for good; the publisher's first pass uploads the
+    live versions, and the node loads the newest, bitwise what the directory holds."""
+    monkeypatch.setattr(node_module, "MISSING_RETRY_S", 0.2)
+    on_disk = Deployment(client, keys, tmp_path, redis_server.url, tp=2)
+    assert [on_disk.publish() for _ in range(3)] == [1, 2, 3]  # keep-last-two: v2, v3
+    on_disk.publisher.lock.release()
+    settings = store_settings(s3_server, s3_bucket, retry_seconds=1)
+    moved = Deployment(client, keys, tmp_path, redis_server.url, tp=2, store=settings)
+    node = Node(moved.reader(), report_every=60)
+    node.step(poll=0.1)
+    assert (node.current, node.seen, node.missing[0]) == (0, 0, 3)
+    moved.publisher.scan_once()
+    assert {k.split("/")[0] for k in objects(moved)} == {"v2", "v3"}
+    time.sleep(0.2)
+    node.step(poll=0.1)
+    assert (node.current, node.seen) == (3, 3)
+    info = info_of(moved, 3)
+    bucket, local = moved.reader(), VersionReader(tmp_path / "weights")
+    for rank in range(2):
+        got, expected = bucket.rank_tensors(info, rank, 2), local.rank_tensors(info, rank, 2)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in got)
 
 
 def test_a_leased_version_keeps_its_objects_until_released(deployment: Deployment) -> None:

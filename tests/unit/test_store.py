@@ -10,6 +10,7 @@ from botocore.exceptions import ClientError, EndpointConnectionError, NoCredenti
 
 from weightcast.contract.errors import (
     ConfigError,
+    ObjectMissing,
     StoreAccessDenied,
     StoreFull,
     StoreUnavailable,
@@ -121,8 +122,8 @@ def _answer(code: str, status: int) -> ClientError:
         (_answer("WhoKnows", 502), StoreUnavailable),
         (_answer("QuotaExceeded", 403), StoreFull),
         (_answer("", 507), StoreFull),
-        (_answer("NoSuchKey", 404), WeightsError),
-        (_answer("", 404), WeightsError),
+        (_answer("NoSuchKey", 404), ObjectMissing),
+        (_answer("", 404), ObjectMissing),
         (_answer("PreconditionFailed", 412), WeightsError),
         (EndpointConnectionError(endpoint_url="http://127.0.0.1:1"), StoreUnavailable),
         (NoCredentialsError(), StoreAccessDenied),

@@ -6,7 +6,9 @@ records in ``{wc}:nodes`` the version it serves. A version that must not be load
 :class:`WeightsError`: a bad path, manifest, config, header or digest) is logged and skipped;
 Redis errors are left to the caller, which retries (the version is then tried again); an
 object store that stays unavailable (:class:`StoreUnavailable`) leaves the node on the version
-it holds, and the version is tried again at the next step. What
+it holds, and the version is tried again at the next step; so does a version whose objects are
+not in the store (:class:`ObjectMissing`: a deployment just moved to a new bucket, whose
+publisher uploads the live versions it holds), tried again every :data:`MISSING_RETRY_S`. What
 the node does with the tensors (a transformers model, a vLLM engine) is the caller's business.
 """
 
@@ -20,11 +22,14 @@ from typing import Any, Protocol
 import torch
 
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.errors import StoreUnavailable, VersionGone, WeightsError
+from weightcast.contract.errors import ObjectMissing, StoreUnavailable, VersionGone, WeightsError
 from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("node")
+
+MISSING_RETRY_S = 5.0
+"""How long a node waits before it tries again a version whose objects are not in the store."""
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class Node:
         """How the version served was read (``delta``, ``chain`` or ``full``)."""
         self.read_bytes = 0
         """The bytes read to load it."""
+        self.missing = (0, 0.0)
+        """A version found missing from the store, and when to try it again."""
 
     def report(self) -> None:
         """Report the version served when due (at once after a load, then every
@@ -90,16 +97,27 @@ class Node:
         the wait early), load it if there is one."""
         self.report()
         version = self.client.wait_for_newer(self.seen, timeout=poll, poll=poll, stop=stop)
-        if version is not None:
-            self.load(version)
-            self.report()
+        if version is None:
+            return
+        self.load(version)
+        self.report()
+        missing, retry_at = self.missing
+        if version == missing:  # registered but not in the store (yet): wait, then again
+            pause = max(0.0, min(poll, retry_at - time.monotonic()))
+            if stop is None:
+                time.sleep(pause)
+            else:
+                stop.wait(pause)
 
     def close(self) -> None:
         """Nothing to release: a lease is held only while a version loads."""
 
     def load(self, version: int) -> LoadedVersion | None:
         """Load ``version`` (call :meth:`report` next); None when it was evicted first or is
-        refused."""
+        refused or not in the store (yet)."""
+        missing, retry_at = self.missing
+        if version == missing and time.monotonic() < retry_at:
+            return None
         start = time.perf_counter()
         try:
             with self.client.lease(version) as info:
@@ -108,6 +126,17 @@ class Node:
             log.info(
                 "version evicted before it could be leased; trying the latest", version=version
             )
+            return None
+        except ObjectMissing as exc:
+            if version != missing:
+                log.warning(
+                    "version not in the store (yet); serving the version held, trying again",
+                    version=version,
+                    held=self.current,
+                    retry_in=MISSING_RETRY_S,
+                    reason=str(exc),
+                )
+            self.missing = (version, time.monotonic() + MISSING_RETRY_S)
             return None
         except WeightsError as exc:
             log.error("refusing version", version=version, reason=str(exc))

@@ -61,6 +61,7 @@ from weightcast.contract.delta import Delta, DeltaError
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.manifest import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     ManifestError,
@@ -84,7 +85,6 @@ from weightcast.store.base import Store, StoredFile, StoredVersion
 from weightcast.store.directory import DirectoryStore, plain_name
 from weightcast.store.factory import open_store
 
-MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
 
 

@@ -30,6 +30,12 @@ class WeightsError(WeightcastError, ValueError):
     problem (bad path, manifest, header, digest or shape)."""
 
 
+class ObjectMissing(WeightsError):
+    """An object of a registered version is not in the store (S3's 404): not damaged, absent.
+    It may come: a publisher moved to a new bucket uploads the live versions it holds, so a
+    node tries such a version again later instead of refusing it for good."""
+
+
 class RecordError(WeightcastError, ValueError):
     """A Redis record (an event, the heartbeat, a quarantine record) that is not what its
     writer writes: the message names the record and the field. Anyone with access to Redis

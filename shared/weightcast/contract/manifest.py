@@ -36,6 +36,8 @@ from weightcast.contract.tensorfile import TORCH_NAMES, nbytes, safetensors_dtyp
 from weightcast.contract.untrusted import Fields, json_object, shown
 
 MANIFEST_NAME = "manifest.json"
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""The largest ``manifest.json`` a reader takes."""
 MANIFEST_FORMAT = "weightcast.manifest/3"
 MANIFEST_FORMATS = ("weightcast.manifest/1", "weightcast.manifest/2", MANIFEST_FORMAT)
 """The formats this weightcast reads. Format 3 stores row-parallel tensors per rank

@@ -40,6 +40,7 @@ from botocore.config import Config as BotoConfig
 
 from weightcast.contract.errors import (
     ConfigError,
+    ObjectMissing,
     StoreAccessDenied,
     StoreUnavailable,
     WeightcastError,
@@ -171,7 +172,7 @@ class S3Store(RemoteStore):
     def check(self) -> None:
         try:
             self.call("checking the bucket", partial(self.client.head_bucket, Bucket=self.bucket))
-        except WeightsError:  # a HEAD's 404 has no code: the bucket is not there
+        except ObjectMissing:  # a HEAD's 404 has no code: the bucket is not there
             raise StoreAccessDenied(
                 f"{self.label}: no such bucket; create it, or check the bucket name and the "
                 "endpoint (s3_endpoint_url)"

@@ -4,7 +4,8 @@ botocore raises :class:`~botocore.exceptions.ClientError` for every answer the s
 (its ``Error.Code`` and HTTP status) and its own exception classes for answers that never
 came. :func:`store_error` maps both, in one table each, to what the caller does next:
 retry (:class:`StoreUnavailable`), stop with one line (:class:`StoreAccessDenied`), wait for
-room (:class:`StoreFull`) or refuse the version (:class:`WeightsError`).
+room (:class:`StoreFull`), try the version later (:class:`ObjectMissing`) or refuse it
+(:class:`WeightsError`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from botocore.exceptions import (
 from urllib3.exceptions import HTTPError, ProtocolError
 
 from weightcast.contract.errors import (
+    ObjectMissing,
     StoreAccessDenied,
     StoreFull,
     StoreUnavailable,
@@ -49,9 +51,9 @@ S3_REPLIES: dict[str, type[WeightcastError]] = {
     "SlowDown": StoreUnavailable,
     "Throttling": StoreUnavailable,
     "ThrottlingException": StoreUnavailable,
-    "NoSuchKey": WeightsError,
+    "NoSuchKey": ObjectMissing,
     "NoSuchUpload": WeightsError,
-    "NotFound": WeightsError,
+    "NotFound": ObjectMissing,
     "PreconditionFailed": WeightsError,
     "InvalidRange": WeightsError,
 }
@@ -59,7 +61,7 @@ S3_REPLIES: dict[str, type[WeightcastError]] = {
 
 HTTP_STATUSES: dict[int, type[WeightcastError]] = {
     403: StoreAccessDenied,
-    404: WeightsError,
+    404: ObjectMissing,
     412: WeightsError,
     416: WeightsError,
     429: StoreUnavailable,
@@ -87,7 +89,8 @@ WHAT_NEXT: dict[type[WeightcastError], str] = {
     "AWS_PROFILE, ~/.aws) this process uses",
     StoreFull: "free room in the bucket or raise its quota",
     StoreUnavailable: "check that the S3 server is running and reachable",
-    WeightsError: "the object is missing, changed or not what the manifest says",
+    ObjectMissing: "not in the store (yet): is the publisher running, with this bucket?",
+    WeightsError: "the object is changed or not what the manifest says",
 }
 
 
