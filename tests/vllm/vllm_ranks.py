@@ -22,6 +22,7 @@ the truth. Then each checks, and writes ``OUT_DIR/rank<R>.json``:
 from __future__ import annotations
 
 import json
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -130,6 +131,9 @@ def join_group(model_dir: str, tp: int, rank: int, port: int) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
 
+    # vLLM's CPU worker names its shared-memory groups by this before it joins; its tp group
+    # reads it whenever vLLM's C extension is already loaded (as the FP8 and MoE layers load it)
+    os.environ["VLLM_DIST_IDENT"] = str(port)
     with set_current_vllm_config(vllm_config(model_dir, tp)):
         init_distributed_environment(
             world_size=tp,

@@ -209,8 +209,9 @@ class WeightcastWeightTransferEngine(
         tensors with this rank's checkpoint-format shape and dtype, by qualified name.
 
         vLLM's layerwise metadata leaves out every ``bias`` (0.32 and 0.33: a bias is built
-        after ``create_weights``, never moved to meta nor post-processed), so a module's
-        live ``bias`` parameter stands for its checkpoint format."""
+        after ``create_weights`` and never moved to meta), so a module's live ``bias`` stands
+        for its checkpoint shape, in the model's dtype: a CPU engine on AMX keeps it in
+        float32 after processing, and its loader converts the checkpoint's bias to that."""
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         found: dict[str, torch.Tensor] = {}
@@ -221,7 +222,9 @@ class WeightcastWeightTransferEngine(
             recorded = dict(info.restore_metadata[0])
             bias = module._parameters.get("bias")
             if bias is not None and "bias" not in recorded:
-                recorded["bias"] = bias.detach().to("meta")
+                recorded["bias"] = torch.empty(
+                    bias.shape, dtype=self.model_config.dtype, device="meta"
+                )
             for name, meta in recorded.items():
                 found[f"{module_name}.{name}" if module_name else name] = meta
         if getattr(self.model_config.hf_config, "tie_word_embeddings", False):
