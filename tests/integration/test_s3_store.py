@@ -5,7 +5,9 @@ changed objects are refused; outages of the store and a full bucket are ridden o
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from weightcast.contract.snapshot_format import CONFIG_NAME, read_complete
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
-from weightcast.store.s3 import PART_BYTES, S3Store
+from weightcast.store.s3 import PART_BYTES, S3Object, S3Store
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
@@ -342,3 +344,77 @@ def test_the_writer_sends_the_weights_files_as_it_writes_them(
     assert objects(deployment, "v7/") == [f"v7/{FUSED_WEIGHTS_FILE}"]
     sent = get(s3_server, deployment, f"v7/{FUSED_WEIGHTS_FILE}")
     assert sent == (published.path / FUSED_WEIGHTS_FILE).read_bytes()
+
+
+class GetsInFlight:
+    """Counts the node's ranged GETs (``S3Object._get``, wrapped) as they run, each held a
+    moment first, so that GETs issued one after another cannot overlap and GETs issued
+    together do; ``before`` runs just before each GET (and its number)."""
+
+    def __init__(
+        self,
+        monkeypatch: pytest.MonkeyPatch,
+        before: Callable[[S3Object, int], None] = lambda f, n: None,
+    ) -> None:
+        self.lock = threading.Lock()
+        self.started = self.now = self.most = 0
+        self.before = before
+        self.get = S3Object._get
+        monkeypatch.setattr(S3Object, "_get", lambda f, *a: self.counted(f, *a))
+
+    def counted(self, f: S3Object, offset: int, views: list[memoryview]) -> None:
+        with self.lock:
+            self.started += 1
+            self.now += 1
+            self.most = max(self.most, self.now)
+            number = self.started
+        try:
+            time.sleep(0.05)
+            self.before(f, number)
+            self.get(f, offset, views)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_a_ranks_fetch_keeps_several_gets_in_flight(
+    deployment: Deployment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's blocks are many small windows (its rows of each tensor); read one after
+    another, each GET would wait for the one before it (issue 30's tp-8 fetch)."""
+    deployment.publish()
+    gets = GetsInFlight(monkeypatch)
+    node = deployment.reader()
+    info = node.info(1)
+    got = node.rank_tensors(info, 0, 2)
+    expected = VersionReader(deployment.root / "weights").rank_tensors(info, 0, 2)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert gets.started > 4 and gets.most > 2, (gets.started, gets.most)
+
+
+def test_a_get_failing_mid_fetch_leaves_no_read_writing_into_the_callers_buffers(
+    deployment: Deployment, s3_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights object is replaced as the fetch's fourth GET starts, other windows in
+    flight: the fetch is refused, and once it has raised no GET runs or starts."""
+    deployment.publish()
+    key = f"v1/{FUSED_WEIGHTS_FILE}"
+    replacement = bytes(len(get(s3_server, deployment, key)))
+    others = []
+
+    def replace_at_the_fourth(f: S3Object, number: int) -> None:
+        if number == 4:
+            others.append(gets.now - 1)
+            put(s3_server, deployment, key, replacement)
+
+    gets = GetsInFlight(monkeypatch, replace_at_the_fourth)
+    node = deployment.reader()
+    info = node.info(1)
+    with pytest.raises(WeightsError, match=r"PreconditionFailed|412"):
+        node.rank_tensors(info, 0, 2)
+    assert gets.now == 0
+    started = gets.started
+    time.sleep(0.3)
+    assert gets.started == started
+    assert not [t for t in threading.enumerate() if t.name.startswith("weightcast-read")]
+    assert others and others[0] > 0, others

@@ -3,8 +3,10 @@ windows, and the registry entry (safetensors headers: tests/unit/test_tensorfile
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import random
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 import redis
 import torch
 
-from weightcast.client.block_reads import Rect, copy_rect
+from weightcast.client.block_reads import Rect, _Ring, copy_rect
 from weightcast.client.reader import Want, _part
 from weightcast.contract.errors import RedisFull, WeightsError
 from weightcast.contract.manifest import TensorEntry
@@ -65,6 +67,33 @@ def test_copying_a_rect_window_by_window_gives_the_rect() -> None:
         for start, stop in itertools.pairwise(cuts):
             copy_rect(rect, start, memoryview(bytearray(data[start:stop])), out)
         assert bytes(out.tolist()) == expected, (rect, cuts)
+
+
+def test_the_scratch_ring_never_hands_out_bytes_still_taken() -> None:
+    """Windows in flight each read into their piece of one ring while the caller verifies
+    the oldest: two pieces sharing a byte would let a read overwrite verified bytes."""
+    rng = random.Random(0)
+    ring = _Ring(100)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(ring._buffer))
+    taken: deque[range] = deque()
+    wrapped = 0
+    for _ in range(5000):
+        length = rng.randint(1, 100)
+        piece = ring.take(length) if rng.random() < 0.6 or not taken else None
+        if piece is None:
+            if taken:
+                taken.popleft()
+                ring.release()
+            else:
+                pytest.fail(f"an empty ring refused {length} of its 100 bytes")
+            continue
+        at = ctypes.addressof(ctypes.c_char.from_buffer(piece)) - base
+        new = range(at, at + length)
+        assert len(piece) == length and new.stop <= 100
+        assert all(new.stop <= old.start or old.stop <= new.start for old in taken)
+        wrapped += bool(taken) and at < taken[-1].start
+        taken.append(new)
+    assert wrapped > 100
 
 
 def test_a_registry_entry_is_parsed_with_errors_naming_the_field() -> None:

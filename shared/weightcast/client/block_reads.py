@@ -2,8 +2,8 @@
 
 The caller says which parts of which tensors it wants (:class:`Rect`: contiguous rows, or a
 column block of a row-major matrix). The blocks that cover them are read in windows of at
-most :data:`WINDOW_BYTES` (runs of consecutive blocks), a thread reading the next windows
-while the caller's thread verifies the current one:
+most :data:`WINDOW_BYTES` (runs of consecutive blocks), up to :data:`READ_WINDOWS` of them
+read at once on a pool while the caller's thread verifies them in order:
 
 * bytes of a contiguous part go straight into the returned tensor (one ``preadv`` scattering
   the window over its destinations), and are hashed there;
@@ -20,11 +20,13 @@ read, in order, unless a sibling already checked it).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import hashlib
-import queue
-import threading
+import mmap
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -43,8 +45,10 @@ from weightcast.store.base import StoredFile
 
 WINDOW_BYTES = 64 * 1024 * 1024
 """Bytes read per window at most (whole blocks; at least one block)."""
-READ_AHEAD = 2
-"""Windows read ahead of the one being verified."""
+READ_WINDOWS = 16
+"""Windows read at once at most (each a ``read_into``: ranged GETs from S3)."""
+SCRATCH_BYTES = 3 * WINDOW_BYTES
+"""Scratch for the windows in flight and the one being verified, at most."""
 WHOLE_FILE_GRID = BLOCK_BYTES
 """Read granularity in a format-1 file (whose one SHA-256 was already checked)."""
 
@@ -139,10 +143,12 @@ class Check:
         """The given blocks, window by window, each verified before the caller sees it.
         ``direct`` (file offset, destination), sorted and disjoint: bytes to read straight
         into their destination (a tensor) rather than into the window's scratch."""
-        for window in _read_windows(f, self.windows(blocks), direct):
-            self.bytes_read += window.stop - window.start
-            self.verify(window)
-            yield window
+        # Closed here, not when collected: a window refused stops the reads at once.
+        with contextlib.closing(_read_windows(f, self.windows(blocks), direct)) as windows:
+            for window in windows:
+                self.bytes_read += window.stop - window.start
+                self.verify(window)
+                yield window
 
     def needed(self, ranges: Iterable[tuple[int, int]]) -> set[int]:
         """The blocks that hold any byte of ``ranges``."""
@@ -314,39 +320,80 @@ def _pieces(
 def _read_windows(
     f: StoredFile, windows: list[tuple[int, int]], direct: Sequence[tuple[int, memoryview]]
 ) -> Iterator[Window]:
-    """Each window read (by a thread, ahead of the caller); its scratch buffer is reused
-    once the caller asks for the next window."""
+    """Each window read on a pool of threads, up to READ_WINDOWS at once with their scratch
+    in one ring of at most SCRATCH_BYTES, and yielded in order; a window's scratch is reused
+    once the caller asks for the next window. Many windows in flight keep a store that pays a
+    round trip per request (S3) busy when a rank's windows are small. However this ends (a
+    failed read, a window refused, the caller stopping), no read is left writing into the
+    caller's buffers: the pool is shut down, its reads waited for."""
     if not windows:
         return
-    size = max(stop - start for start, stop in windows)
-    free: queue.Queue[bytearray | None] = queue.Queue()
-    for _ in range(min(READ_AHEAD + 1, len(windows))):
-        free.put(bytearray(size))
-    ready: queue.Queue[tuple[Window, bytearray] | BaseException | None] = queue.Queue()
-
-    def read() -> None:
-        try:
-            for start, stop in windows:
-                buffer = free.get()
-                if buffer is None:
-                    return
-                scratch = memoryview(buffer)[: stop - start]
-                pieces = _pieces(start, stop, direct, scratch)
-                f.read_into([data for _, data in pieces], start)
-                ready.put((Window(start, stop, pieces, scratch), buffer))
-            ready.put(None)
-        except BaseException as exc:  # handed to the caller's thread
-            ready.put(exc)
-
-    reader = threading.Thread(target=read, name="weightcast-read", daemon=True)
-    reader.start()
+    largest = max(stop - start for start, stop in windows)
+    ring = _Ring(max(largest, min(SCRATCH_BYTES, sum(stop - start for start, stop in windows))))
+    pending = deque(windows)
+    reading: deque[Future[Window]] = deque()
+    pool = ThreadPoolExecutor(READ_WINDOWS, thread_name_prefix="weightcast-read")
     try:
-        while (item := ready.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            window, buffer = item
-            yield window
-            free.put(buffer)
+        while pending or reading:
+            while pending and len(reading) < READ_WINDOWS:
+                start, stop = pending[0]
+                scratch = ring.take(stop - start)
+                if scratch is None:
+                    break
+                pending.popleft()
+                reading.append(pool.submit(_read_window, f, start, stop, direct, scratch))
+            yield reading.popleft().result()
+            ring.release()
     finally:
-        free.put(None)
-        reader.join()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _read_window(
+    f: StoredFile,
+    start: int,
+    stop: int,
+    direct: Sequence[tuple[int, memoryview]],
+    scratch: memoryview,
+) -> Window:
+    """File bytes ``[start, stop)``, each to its direct destination, else to ``scratch``."""
+    pieces = _pieces(start, stop, direct, scratch)
+    f.read_into([data for _, data in pieces], start)
+    return Window(start, stop, pieces, scratch)
+
+
+class _Ring:
+    """Scratch for the windows in flight: they are given back in the order they were taken,
+    so one buffer serves them all as a ring. An anonymous mapping, so that only the pages
+    scratch bytes land in are ever touched (most of a window may go straight to tensors),
+    and that a window's view keeps it alive."""
+
+    def __init__(self, size: int) -> None:
+        try:
+            self._buffer = memoryview(mmap.mmap(-1, size))
+        except OSError as exc:  # ENOMEM: what the reader reports as a version too large
+            raise MemoryError(f"{size} bytes of scratch") from exc
+        self._taken: deque[tuple[int, int]] = deque()  # (offset, length), oldest first
+
+    def take(self, length: int) -> memoryview | None:
+        """``length`` bytes after the newest taken (or from the start, wrapping); None while
+        the oldest is in the way."""
+        at = self._room(length)
+        if at is None:
+            return None
+        self._taken.append((at, length))
+        return self._buffer[at : at + length]
+
+    def release(self) -> None:
+        """Give the oldest taken back."""
+        self._taken.popleft()
+
+    def _room(self, length: int) -> int | None:
+        if not self._taken:
+            return 0 if length <= len(self._buffer) else None
+        oldest = self._taken[0][0]
+        head = sum(self._taken[-1])
+        if head > oldest:  # taken: [oldest, head); free: the end, then the start
+            if head + length <= len(self._buffer):
+                return head
+            return 0 if length <= oldest else None
+        return head if head + length <= oldest else None  # wrapped: free is [head, oldest)
