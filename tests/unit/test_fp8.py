@@ -11,7 +11,8 @@ import torch
 from weightcast.contract import fp8
 from weightcast.contract.errors import BlockCutError
 from weightcast.contract.model_shape import hf_tensor_shapes
-from weightcast.contract.plan import plan_version
+from weightcast.contract.plan import VersionPlan, plan_version
+from weightcast.contract.regions import ColumnRange
 from weightcast.contract.sharding import ShardKind
 
 from helpers.models import moe_shape, shape_of
@@ -100,6 +101,18 @@ def test_weights_as_an_fp8_version_serves_them() -> None:
         assert same == (not fp8.is_quantized(name, tuple(w.shape))), name
 
 
+def test_representable_values_come_back_exactly() -> None:
+    """A block whose amax is 448 times a power of two has that power of two as its scale, so
+    every e4m3 value times it is quantized without rounding."""
+    gen = torch.Generator().manual_seed(5)
+    values = (torch.randn(256, 200, generator=gen) * 40).to(torch.float8_e4m3fn).float()
+    values[0, 0] = values[128, 0] = values[0, 128] = values[128, 128] = 448.0
+    weight = values * 2.0**-9
+    back = fp8.dequantize(*fp8.quantize(weight))
+    assert torch.equal(back, weight)
+    assert torch.equal(fp8.quantize(weight)[1], torch.full((2, 2), 2.0**-9))
+
+
 def test_which_tensors_are_quantized() -> None:
     shapes = hf_tensor_shapes(moe_shape())
     quantized = sorted(n for n, s in shapes.items() if fp8.is_quantized(n, s))
@@ -116,6 +129,14 @@ def test_which_tensors_are_quantized() -> None:
 
 FP8_SHAPE = shape_of(4, 2, 128, hidden=256, inter=512, tied=False)
 """Every tp-sharded dimension whole 128-blocks up to tp 4 (kv heads replicated at 4)."""
+MOE_FP8 = dataclasses.replace(
+    moe_shape(experts=4, moe_inter=256),
+    hidden_size=256,
+    num_heads=2,
+    head_dim=128,
+    num_kv_heads=2,
+    intermediate_size=256,
+)
 
 
 def fp8_sources(shape) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -128,6 +149,69 @@ def fp8_sources(shape) -> dict[str, tuple[str, tuple[int, ...]]]:
         else:
             out[name] = ("BF16", tuple(size))
     return out
+
+
+def quantized_checkpoint(shape, seed: int) -> tuple[dict, dict]:
+    """A random bf16 state of ``shape`` (blocks of very different ranges) and its FP8
+    checkpoint, quantized with the contract's quantizer."""
+    gen = torch.Generator().manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    checkpoint: dict[str, torch.Tensor] = {}
+    for name, size in hf_tensor_shapes(shape).items():
+        w = (torch.randn(size, generator=gen) * 0.05).to(torch.bfloat16)
+        if fp8.is_quantized(name, size):
+            w[:64] *= 300
+            checkpoint[name], checkpoint[fp8.scale_name(name)] = fp8.quantize(w)
+        else:
+            checkpoint[name] = w
+        weights[name] = w
+    return weights, checkpoint
+
+
+def published(plan: VersionPlan, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole tensors of a version planned over ``sources``: each its regions' row-major
+    bytes, in order (what a node reading every rank holds)."""
+    out: dict[str, torch.Tensor] = {}
+    for file in plan.fused:
+        for t in file.tensors:
+            parts = [
+                sources[r.source][:, r.start : r.stop]
+                if isinstance(r, ColumnRange)
+                else sources[r.source][r.start : r.stop]
+                for r in t.regions
+            ]
+            out[t.name] = torch.cat([p.reshape(-1) for p in parts]).view(t.shape)
+    return out
+
+
+RAGGED = shape_of(4, 2, 128, hidden=200, inter=512, tied=False)
+"""Rows of o_proj and down_proj (hidden 200) not whole blocks: at tp 2 the second rank's part
+starts a block of its own mid-way through the whole grid's second block."""
+
+
+@pytest.mark.parametrize(
+    ("shape", "tp", "ep"), [(RAGGED, 1, 1), (RAGGED, 2, 1), (MOE_FP8, 2, 1), (MOE_FP8, 2, 2)]
+)
+def test_a_published_fp8_version_dequantizes_rank_by_rank(shape, tp: int, ep: int) -> None:
+    """Dequantizing the fused FP8 tensors of every rank gives the fused layout of the
+    dequantized HF weights, value for value, and no scales."""
+    weights, checkpoint = quantized_checkpoint(shape, seed=tp + ep)
+    fp8_version = published(plan_version(fp8_sources(shape), shape, tp, ep=ep), checkpoint)
+    got = fp8.dequantize_checkpoint(fp8_version, torch.float32, tp)
+    hf = fp8.dequantize_checkpoint(checkpoint, torch.float32)
+    floats = {n: ("F32", tuple(t.shape)) for n, t in hf.items()}
+    want = published(plan_version(floats, shape, tp, ep=ep), hf)
+    assert sorted(got) == sorted(want) and not [n for n in got if fp8.weight_name(n)]
+    for name, tensor in got.items():
+        assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
+    for name, w in weights.items():  # e4m3: within 1/16 of each value, or of a tiny step
+        if fp8.is_quantized(name, tuple(w.shape)):
+            step = hf[name].abs().amax() * 2**-9
+            assert ((hf[name] - w.float()).abs() <= w.float().abs() / 16 + step).all(), name
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    if shape is RAGGED and tp > 1:  # one grid over both ranks' rows would be wrong there
+        whole = fp8.dequantize(fp8_version[o_proj], fp8_version[fp8.scale_name(o_proj)])
+        assert not torch.equal(whole, got[o_proj])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
