@@ -11,10 +11,10 @@ import torch
 from weightcast.contract import fp8
 from weightcast.contract.errors import BlockCutError
 from weightcast.contract.model_shape import hf_tensor_shapes
-from weightcast.contract.plan import VersionPlan, plan_version
-from weightcast.contract.regions import ColumnRange
+from weightcast.contract.plan import plan_version
 from weightcast.contract.sharding import ShardKind
 
+from helpers.fp8_versions import fp8_sources, published, quantized_checkpoint
 from helpers.models import moe_shape, shape_of
 from vllm_reference import fp8_block_quantize
 
@@ -137,51 +137,6 @@ MOE_FP8 = dataclasses.replace(
     num_kv_heads=2,
     intermediate_size=256,
 )
-
-
-def fp8_sources(shape) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What the quantizing source shows the plan: FP8 linear weights, their scales, the rest."""
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, size in hf_tensor_shapes(shape).items():
-        if fp8.is_quantized(name, size):
-            out[name] = (fp8.FP8_DTYPE, tuple(size))
-            out[fp8.scale_name(name)] = (fp8.SCALE_DTYPE, fp8.scale_shape(size))
-        else:
-            out[name] = ("BF16", tuple(size))
-    return out
-
-
-def quantized_checkpoint(shape, seed: int) -> tuple[dict, dict]:
-    """A random bf16 state of ``shape`` (blocks of very different ranges) and its FP8
-    checkpoint, quantized with the contract's quantizer."""
-    gen = torch.Generator().manual_seed(seed)
-    weights: dict[str, torch.Tensor] = {}
-    checkpoint: dict[str, torch.Tensor] = {}
-    for name, size in hf_tensor_shapes(shape).items():
-        w = (torch.randn(size, generator=gen) * 0.05).to(torch.bfloat16)
-        if fp8.is_quantized(name, size):
-            w[:64] *= 300
-            checkpoint[name], checkpoint[fp8.scale_name(name)] = fp8.quantize(w)
-        else:
-            checkpoint[name] = w
-        weights[name] = w
-    return weights, checkpoint
-
-
-def published(plan: VersionPlan, sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The whole tensors of a version planned over ``sources``: each its regions' row-major
-    bytes, in order (what a node reading every rank holds)."""
-    out: dict[str, torch.Tensor] = {}
-    for file in plan.fused:
-        for t in file.tensors:
-            parts = [
-                sources[r.source][:, r.start : r.stop]
-                if isinstance(r, ColumnRange)
-                else sources[r.source][r.start : r.stop]
-                for r in t.regions
-            ]
-            out[t.name] = torch.cat([p.reshape(-1) for p in parts]).view(t.shape)
-    return out
 
 
 RAGGED = shape_of(4, 2, 128, hidden=200, inter=512, tied=False)
