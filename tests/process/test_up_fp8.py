@@ -19,10 +19,10 @@ from helpers.models import save_pretrained_qwen3
 from helpers.processes import clean_env, run_weightcast
 
 STEPS = 8
-MISMATCH_BOUND = 1e-3
-"""FP8's rounding (at most 1/16 of a weight, about 1/50 on average) moves a log-probability by
-about 1e-2 on this model at most; k3 ~ d^2 / 2 puts the mean per token well under 1e-3, where
-the clip (``clip_eps`` 0.2, ``clip_eps^2 / 2`` = 2e-2) is not reached by numerics."""
+MISMATCH_BOUND = 5e-3
+"""A quarter of ``clip_eps^2 / 2`` (2e-2 at the default 0.2), where the clip would start to act
+on quantization noise; 30 steps of this model measured 3e-6 to 1.2e-3 (docs/trainer.md), a
+wrong load 0.26."""
 
 
 def scored_steps(log: str) -> list[dict[str, str]]:
@@ -63,7 +63,7 @@ def test_up_quantize_fp8_samples_fp8_weights_and_reports_their_mismatch(tmp_path
     assert len(kl) >= STEPS // 2, scored
     assert all(math.isfinite(k) and k < MISMATCH_BOUND for k in kl), kl
     assert statistics.median(kl) > 1e-9, kl  # bf16 versions: 1e-14 to 3e-13
-    assert all(0 < m < 0.5 for m in largest), largest
+    assert all(1e-4 < m < 3 for m in largest), largest  # bf16: 1e-6 to 3e-5
 
 
 def test_up_refuses_fp8_with_the_vllm_engine_in_one_line(tmp_path: Path) -> None:
