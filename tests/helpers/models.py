@@ -108,6 +108,19 @@ _UNTIED_ODD = ModelShape(
 )
 
 
+_FP8_BLOCKS = ModelShape(
+    num_layers=2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=128,
+    vocab_size=1003,
+    tie_word_embeddings=False,
+)
+"""Every row range FP8 fuses at tp 1 (q, k, gate) whole 128-blocks."""
+
+
 _TIED_EXTRAS = ConfigExtras(
     max_position_embeddings=300, rms_norm_eps=1e-5, rope_theta=12345.0, eos_token_id=7
 )
@@ -137,6 +150,7 @@ HF_SHAPES = {
         ),
         _UNTIED_EXTRAS,
     ),
+    "fp8-blocks": HfModel(_FP8_BLOCKS, _UNTIED_EXTRAS),
     "moe-tied-odd": HfModel(
         dataclasses.replace(
             _TIED_ODD,

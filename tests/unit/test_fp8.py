@@ -14,6 +14,7 @@ from weightcast.contract.model_shape import hf_tensor_shapes
 from weightcast.contract.plan import plan_version
 from weightcast.contract.sharding import ShardKind
 
+from helpers.fp8_versions import fp8_sources, published, quantized_checkpoint
 from helpers.models import moe_shape, shape_of
 from vllm_reference import fp8_block_quantize
 
@@ -100,6 +101,18 @@ def test_weights_as_an_fp8_version_serves_them() -> None:
         assert same == (not fp8.is_quantized(name, tuple(w.shape))), name
 
 
+def test_representable_values_come_back_exactly() -> None:
+    """A block whose amax is 448 times a power of two has that power of two as its scale, so
+    every e4m3 value times it is quantized without rounding."""
+    gen = torch.Generator().manual_seed(5)
+    values = (torch.randn(256, 200, generator=gen) * 40).to(torch.float8_e4m3fn).float()
+    values[0, 0] = values[128, 0] = values[0, 128] = values[128, 128] = 448.0
+    weight = values * 2.0**-9
+    back = fp8.dequantize(*fp8.quantize(weight))
+    assert torch.equal(back, weight)
+    assert torch.equal(fp8.quantize(weight)[1], torch.full((2, 2), 2.0**-9))
+
+
 def test_which_tensors_are_quantized() -> None:
     shapes = hf_tensor_shapes(moe_shape())
     quantized = sorted(n for n, s in shapes.items() if fp8.is_quantized(n, s))
@@ -116,18 +129,44 @@ def test_which_tensors_are_quantized() -> None:
 
 FP8_SHAPE = shape_of(4, 2, 128, hidden=256, inter=512, tied=False)
 """Every tp-sharded dimension whole 128-blocks up to tp 4 (kv heads replicated at 4)."""
+MOE_FP8 = dataclasses.replace(
+    moe_shape(experts=4, moe_inter=256),
+    hidden_size=256,
+    num_heads=2,
+    head_dim=128,
+    num_kv_heads=2,
+    intermediate_size=256,
+)
 
 
-def fp8_sources(shape) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """What the quantizing source shows the plan: FP8 linear weights, their scales, the rest."""
-    out: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name, size in hf_tensor_shapes(shape).items():
-        if fp8.is_quantized(name, size):
-            out[name] = (fp8.FP8_DTYPE, tuple(size))
-            out[fp8.scale_name(name)] = (fp8.SCALE_DTYPE, fp8.scale_shape(size))
-        else:
-            out[name] = ("BF16", tuple(size))
-    return out
+RAGGED = shape_of(4, 2, 128, hidden=200, inter=512, tied=False)
+"""Rows of o_proj and down_proj (hidden 200) not whole blocks: at tp 2 the second rank's part
+starts a block of its own mid-way through the whole grid's second block."""
+
+
+@pytest.mark.parametrize(
+    ("shape", "tp", "ep"), [(RAGGED, 1, 1), (RAGGED, 2, 1), (MOE_FP8, 2, 1), (MOE_FP8, 2, 2)]
+)
+def test_a_published_fp8_version_dequantizes_rank_by_rank(shape, tp: int, ep: int) -> None:
+    """Dequantizing the fused FP8 tensors of every rank gives the fused layout of the
+    dequantized HF weights, value for value, and no scales."""
+    weights, checkpoint = quantized_checkpoint(shape, seed=tp + ep)
+    fp8_version = published(plan_version(fp8_sources(shape), shape, tp, ep=ep), checkpoint)
+    got = fp8.dequantize_checkpoint(fp8_version, torch.float32, tp)
+    hf = fp8.dequantize_checkpoint(checkpoint, torch.float32)
+    floats = {n: ("F32", tuple(t.shape)) for n, t in hf.items()}
+    want = published(plan_version(floats, shape, tp, ep=ep), hf)
+    assert sorted(got) == sorted(want) and not [n for n in got if fp8.weight_name(n)]
+    for name, tensor in got.items():
+        assert tensor.dtype == want[name].dtype and torch.equal(tensor, want[name]), name
+    for name, w in weights.items():  # e4m3: within 1/16 of each value, or of a tiny step
+        if fp8.is_quantized(name, tuple(w.shape)):
+            step = hf[name].abs().amax() * 2**-9
+            assert ((hf[name] - w.float()).abs() <= w.float().abs() / 16 + step).all(), name
+    o_proj = "model.layers.0.self_attn.o_proj.weight"
+    if shape is RAGGED and tp > 1:  # one grid over both ranks' rows would be wrong there
+        whole = fp8.dequantize(fp8_version[o_proj], fp8_version[fp8.scale_name(o_proj)])
+        assert not torch.equal(whole, got[o_proj])
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from weightcast.contract import fp8
 from weightcast.contract.codec import BatchLimits, validate_tensors
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.experts import is_expert_source, plan_experts
 from weightcast.contract.fusion import FusedTensor, assemble, plan_vllm_fused
 from weightcast.contract.layout import FUSED_ARCHITECTURE
+from weightcast.contract.plan import plan_version
 from weightcast.local.rollout import (
     ModelPolicy,
     UniformPolicy,
@@ -24,6 +26,7 @@ from weightcast.local.rollout import (
 from weightcast.runtime.config import RolloutConfig
 from weightcast_trainer.loss import token_logprobs
 
+from helpers.fp8_versions import fp8_sources, published, quantized_checkpoint
 from helpers.models import checkpoint_tensors, hf_state, moe_shape, save_pretrained_qwen3, shape_of
 
 SHAPE = shape_of(4, 2, 16, hidden=32, inter=64)
@@ -83,6 +86,24 @@ def test_a_policy_built_from_published_fused_tensors_is_the_hf_model() -> None:
     ids = torch.randint(0, SHAPE.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         assert torch.equal(direct.model(ids).logits, rebuilt.model(ids).logits)
+
+
+def test_a_policy_built_from_a_published_fp8_version_samples_its_dequantized_weights() -> None:
+    """An FP8 version (fused at tp 2, its config.json with ``quantization_config``) builds the
+    model of its dequantized weights in float32, which differs from the bf16 weights it
+    was quantized from: the node samples with what an FP8 engine computes with."""
+    shape = shape_of(2, 2, 128, hidden=128, inter=256)
+    weights, checkpoint = quantized_checkpoint(shape, seed=4)
+    version = published(plan_version(fp8_sources(shape), shape, 2), checkpoint)
+    hf = {**shape.to_hf_config(), "rms_norm_eps": 1e-6, "rope_theta": 10000.0}
+    rebuilt = ModelPolicy.from_published(1, fp8.quantized_config(hf), version, tp=2)
+    dequantized = ModelPolicy(1, hf, fp8.dequantize_checkpoint(checkpoint, torch.float32))
+    source = ModelPolicy(1, hf, weights)
+    ids = torch.randint(0, shape.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = rebuilt.model(ids).logits
+        assert torch.equal(logits, dequantized.model(ids).logits)
+        assert not torch.allclose(logits, source.model(ids).logits, atol=1e-5)
 
 
 @pytest.mark.parametrize(("tp", "ep"), [(1, 1), (2, 1), (2, 2)])

@@ -14,7 +14,8 @@ zero all the same); ``scale = amax / 448``; ``fp8 = (x * (1 / scale)).to(float8_
 block holding NaN or infinity has a non-finite scale: the publisher's finiteness check refuses
 the snapshot, so no such block is ever published. :func:`dequantize` is the inverse the
 trainer uses to score what an FP8 engine samples from (:func:`as_served`: bf16 weights as an
-FP8 version serves them; :func:`dequantize_checkpoint`: an FP8 checkpoint's weights).
+FP8 version serves them; :func:`dequantize_checkpoint`: an FP8 checkpoint's or a published FP8
+version's weights, which the transformers rollout node samples with).
 """
 
 from __future__ import annotations
@@ -152,18 +153,38 @@ def dequantize(
 
 
 def dequantize_checkpoint(
-    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype
+    tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, tp: int = 1
 ) -> dict[str, torch.Tensor]:
-    """An FP8 checkpoint's tensors (HF or fused names) as the weights an FP8 engine computes
-    with: each weight that has a ``weight_scale_inv`` dequantized to ``dtype``, the scales
+    """An FP8 checkpoint's tensors (HF names, or a published version's vllm-fused ones laid
+    out for ``tp`` ranks) as the weights an FP8 engine computes with: each weight that has a
+    ``weight_scale_inv`` dequantized to ``dtype`` (:func:`dequantize_ranks`), the scales
     dropped, everything else as it is."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if weight_name(name) is not None:
             continue
         scale = tensors.get(scale_name(name)) if name.endswith("weight") else None
-        out[name] = tensor if scale is None else dequantize(tensor, scale, dtype)
+        out[name] = tensor if scale is None else dequantize_ranks(tensor, scale, tp, dtype)
     return out
+
+
+def dequantize_ranks(
+    fp8: torch.Tensor, scale: torch.Tensor, tp: int, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A published weight as ``tp`` ranks' engines compute with it. A fused 2-D weight is the
+    ranks' parts rank after rank along dim 0, each on a block grid of its own (a row-parallel
+    weight's rows need not be whole blocks, so a part may end in a ragged block and the next
+    one start a new block): each part is dequantized under its own rows of ``scale``, as
+    vLLM's rank does. A 3-D weight (experts) already has one grid per leading index."""
+    if fp8.dim() != 2 or tp == 1:
+        return dequantize(fp8, scale, dtype)
+    rows, cols = fp8.shape
+    if rows % tp or scale.shape[0] % tp:
+        raise ValueError(f"a weight {list(fp8.shape)}, scale {list(scale.shape)}: not {tp} parts")
+    parts = dequantize(
+        fp8.reshape(tp, rows // tp, cols), scale.reshape(tp, -1, scale.shape[1]), dtype
+    )
+    return parts.view(rows, cols)
 
 
 def as_served(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,10 +2,10 @@
 
 An inference node running ``weightcast follow --rollout`` is also the rollout producer. For
 each batch it draws random prompts, samples a GRPO group of completions per prompt from the
-newest version it has loaded (transformers' ``Qwen3ForCausalLM`` on CPU, fp32), keeps the
-log-probability of every sampled token (the trainer's ``old_logprobs``), scores each
-completion with :func:`toy_reward`, turns rewards into group-relative advantages and pushes
-the batch tagged with the version it sampled from.
+newest version it has loaded (transformers' ``Qwen3ForCausalLM`` on CPU, fp32; an FP8
+version's weights dequantized), keeps the log-probability of every sampled token (the
+trainer's ``old_logprobs``), scores each completion with :func:`toy_reward`, turns rewards
+into group-relative advantages and pushes the batch tagged with the version it sampled from.
 
 Before version 1 exists there is nothing to load, so version 0 is the uniform policy over the
 vocabulary: its log-probabilities are exact (``-ln V``), so the trainer's importance ratios
@@ -28,6 +28,7 @@ import torch
 
 from weightcast.client.node import Node
 from weightcast.client.producer import BatchProducer
+from weightcast.contract import fp8
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.fusion import unfuse
 from weightcast.contract.model_shape import ModelShape
@@ -110,8 +111,12 @@ class ModelPolicy:
     def from_published(
         cls, version: int, config: Mapping[str, Any], tensors: dict[str, torch.Tensor], tp: int
     ) -> ModelPolicy:
-        """Build from a version's ``config.json`` and its vllm-fused tensors."""
-        return cls(version, config, unfuse(tensors, ModelShape.from_hf_config(config), tp))
+        """Build from a version's ``config.json`` and its vllm-fused tensors. An FP8 version
+        (``publisher.quantize fp8``) is dequantized in float32, so the node samples with the
+        values an FP8 engine computes with (not with FP8 arithmetic: the matmuls stay fp32)."""
+        weights = fp8.dequantize_checkpoint(tensors, torch.float32, tp)
+        plain = {k: v for k, v in config.items() if k != "quantization_config"}
+        return cls(version, plain, unfuse(weights, ModelShape.from_hf_config(config), tp))
 
     @torch.inference_mode()
     def sample(

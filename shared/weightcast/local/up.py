@@ -33,6 +33,7 @@ import redis
 from weightcast.contract.codec import META_FIELD
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.events import Published, parse_event
+from weightcast.contract.fp8 import QUANTIZE_FP8
 from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
 from weightcast.contract.model_shape import ModelShape
@@ -261,7 +262,11 @@ class Stack:
         interrupts.check()
         pubsub = self.redis.pubsub()
         pubsub.subscribe(self.keys.events)
-        self.start("publisher", ["publisher", "--rescan-seconds", "1"], env=self.store_env)
+        self.start(
+            "publisher",
+            ["publisher", "--rescan-seconds", "1", "--quantize", self.config.publisher.quantize],
+            env=self.store_env,
+        )
         self.start(
             "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
         )
@@ -370,6 +375,14 @@ def start_vocab_size(start: Path) -> int:
         raise ConfigError(f"{path}: {exc}") from None
 
 
+FP8_VLLM_REFUSED = (
+    "--quantize fp8 with --engine vllm: the weightcast backend does not update an FP8 engine "
+    "yet (it refuses every FP8 version: the engine's attention k_scale / v_scale have no "
+    "tensor in it); use --engine transformers, which samples with the FP8 version's "
+    "dequantized weights"
+)
+
+
 @dataclass(frozen=True)
 class UpOptions:
     """What ``up`` takes besides its settings (``[up]``): where Redis is, the user's file."""
@@ -388,6 +401,8 @@ def run_up(config: Config, options: UpOptions) -> int:
     if config.rollout.engine == "vllm":  # checked before anything starts
         from weightcast.local.vllm_rollout import vllm_python
 
+        if config.publisher.quantize == QUANTIZE_FP8:
+            raise ConfigError(FP8_VLLM_REFUSED)
         follower_python = vllm_python(up)
     if up.store == "s3":
         check_weed()

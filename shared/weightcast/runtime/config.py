@@ -391,6 +391,7 @@ class PublisherConfig:
         "block, as the published Qwen3 FP8 checkpoints; embedding, norms, router and lm_head "
         "stay bf16) that vLLM serves with its FP8 kernels; none: as the snapshot holds them",
         flag="--quantize",
+        commands=("publisher", "up"),
         choices=QUANTIZE_CHOICES,
     )
     reader: str = setting(
