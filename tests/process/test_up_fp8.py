@@ -18,11 +18,15 @@ from weightcast.contract.manifest import Manifest
 from helpers.models import save_pretrained_qwen3
 from helpers.processes import clean_env, run_weightcast
 
-STEPS = 8
+STEPS = 10
 MISMATCH_BOUND = 5e-3
 """A quarter of ``clip_eps^2 / 2`` (2e-2 at the default 0.2), where the clip would start to act
-on quantization noise; 30 steps of this model measured 3e-6 to 1.2e-3 (docs/trainer.md), a
-wrong load 0.26."""
+on quantization noise, and below a batch scored against the version before its own (5e-3 to
+1.1e-2, docs/trainer.md); 30 steps of this model measured 3e-7 to 1.2e-3, one early step of a
+loaded run 2.8e-3; a wrong load gives 0.26."""
+MIN_SCORED = 2
+"""Steps that scored a batch at least: which batches are scored (sampled from a version the
+trainer still keeps) depends on the timing; 3 of 8 steps on a loaded machine, 27 of 30 idle."""
 
 
 def scored_steps(log: str) -> list[dict[str, str]]:
@@ -60,7 +64,7 @@ def test_up_quantize_fp8_samples_fp8_weights_and_reports_their_mismatch(tmp_path
     kl = [float(s["mismatch_kl"]) for s in scored]
     largest = [float(s["mismatch_max"]) for s in scored]
     print("mismatch_kl", kl, "mismatch_max", largest)
-    assert len(kl) >= STEPS // 2, scored
+    assert len(kl) >= MIN_SCORED, scored
     assert all(math.isfinite(k) and k < MISMATCH_BOUND for k in kl), kl
     assert statistics.median(kl) > 1e-9, kl  # bf16 versions: 1e-14 to 3e-13
     assert all(1e-4 < m < 3 for m in largest), largest  # bf16: 1e-6 to 3e-5
