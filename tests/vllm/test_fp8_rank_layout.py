@@ -21,18 +21,8 @@ from safetensors.torch import save_file
 
 from weightcast.contract.model_shape import SHAPES
 
-from vllm_helpers import Registry, random_state, run_ranks
+from vllm_helpers import FP8_MODEL, Registry, random_state, run_ranks
 
-FP8_MODEL = replace(
-    SHAPES["tiny"],
-    hidden_size=256,
-    intermediate_size=512,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=128,
-    vocab_size=1000,
-).to_hf_config()
-"""Every tp-split dimension whole 128-blocks up to tp 4."""
 FP8_MOE = replace(
     SHAPES["tiny-moe"],
     hidden_size=256,

@@ -42,6 +42,16 @@ UNTIED_BIASED = replace(
     SHAPES["tiny"], vocab_size=1000, tie_word_embeddings=False, attention_bias=True
 ).to_hf_config()
 """The same with its own ``lm_head`` and q/k/v biases (fused into ``qkv_proj.bias``)."""
+FP8_MODEL = replace(
+    SHAPES["tiny"],
+    hidden_size=256,
+    intermediate_size=512,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=128,
+    vocab_size=1000,
+).to_hf_config()
+"""Every tp-split dimension whole 128-blocks up to tp 4."""
 
 
 def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -252,12 +262,18 @@ def llm_engine(model: str | Path, tp: int = 1, backend: bool = True, **extra: An
 
 @contextlib.contextmanager
 def backend_engine(
-    model: str | Path, registry: Registry, node_id: str, tp: int = 1, weights_root: str = ""
+    model: str | Path,
+    registry: Registry,
+    node_id: str,
+    tp: int = 1,
+    weights_root: str = "",
+    **extra: Any,
 ) -> Iterator[LocalEngine]:
-    """An ``LLM`` (vLLM's default process layout) with the weightcast backend, initialised
-    to load the versions of ``registry`` (from ``weights_root`` when given: a bucket)."""
+    """An ``LLM`` (vLLM's default process layout unless ``extra`` says otherwise) with the
+    weightcast backend, initialised to load the versions of ``registry`` (from
+    ``weights_root`` when given: a bucket)."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # collective_rpc(report)
-    with llm_engine(model, tp) as llm:
+    with llm_engine(model, tp, **extra) as llm:
         engine = LocalEngine(llm)
         location = registry.location(node_id)
         engine.init_weight_transfer_engine(

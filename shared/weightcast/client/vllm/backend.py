@@ -65,6 +65,9 @@ from weightcast.runtime.settings import load_config
 
 log = init_logger("vllm.weightcast")  # under vLLM's logger, so it shows in vLLM's log
 
+_KV_CACHE_SCALES = ("q_scale", "k_scale", "v_scale", "prob_scale")
+"""An attention layer's optional checkpoint scales under a quantization config."""
+
 
 class WeightcastInitInfo(InitInfo, WeightTransferInitInfo):
     """``init_info`` of the ``weightcast`` backend (see :class:`InitInfo`)."""
@@ -211,7 +214,14 @@ class WeightcastWeightTransferEngine(
         vLLM's layerwise metadata leaves out every ``bias`` (0.32 and 0.33: a bias is built
         after ``create_weights`` and never moved to meta), so a module's live ``bias`` stands
         for its checkpoint shape, in the model's dtype: a CPU engine on AMX keeps it in
-        float32 after processing, and its loader converts the checkpoint's bias to that."""
+        float32 after processing, and its loader converts the checkpoint's bias to that.
+
+        Left out: the KV-cache scales a quantized model's attention layers get
+        (``BaseKVCacheMethod``: ``q_scale``, ``k_scale``, ``v_scale``, ``prob_scale``). A
+        checkpoint may omit them (vLLM then uses 1.0; the published Qwen3 FP8 checkpoints and
+        every FP8 version weightcast writes have none), and vLLM's layerwise reload keeps an
+        attention layer's processed scales when nothing is loaded into it."""
+        from vllm.model_executor.layers.quantization.kv_cache import BaseKVCacheMethod
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
         found: dict[str, torch.Tensor] = {}
@@ -220,6 +230,9 @@ class WeightcastWeightTransferEngine(
             if info is None:
                 continue
             recorded = dict(info.restore_metadata[0])
+            if isinstance(getattr(module, "quant_method", None), BaseKVCacheMethod):
+                for name in _KV_CACHE_SCALES:
+                    recorded.pop(name, None)
             bias = module._parameters.get("bias")
             if bias is not None and "bias" not in recorded:
                 recorded["bias"] = torch.empty(
