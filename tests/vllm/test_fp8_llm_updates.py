@@ -20,27 +20,16 @@ load gave the same output. Its ``fp8_scaled_mm_cpu`` alone is deterministic.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.local_engine import LocalEngine
+from weightcast.local.vllm_rollout import cpu_flags
 
 from conftest import Versions
 from vllm_helpers import FP8_MODEL, Registry, backend_engine, greedy, in_process, random_state
-
-
-def cpu_flags() -> set[str]:
-    """The flags of the first processor in ``/proc/cpuinfo`` (none where it is absent)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
 
 pytestmark = pytest.mark.skipif(
     "amx_tile" not in cpu_flags(),

@@ -375,14 +375,6 @@ def start_vocab_size(start: Path) -> int:
         raise ConfigError(f"{path}: {exc}") from None
 
 
-FP8_VLLM_REFUSED = (
-    "--quantize fp8 with --engine vllm: the weightcast backend does not update an FP8 engine "
-    "yet (it refuses every FP8 version: the engine's attention k_scale / v_scale have no "
-    "tensor in it); use --engine transformers, which samples with the FP8 version's "
-    "dequantized weights"
-)
-
-
 @dataclass(frozen=True)
 class UpOptions:
     """What ``up`` takes besides its settings (``[up]``): where Redis is, the user's file."""
@@ -399,10 +391,12 @@ def run_up(config: Config, options: UpOptions) -> int:
     up = config.up
     follower_python = ""
     if config.rollout.engine == "vllm":  # checked before anything starts
-        from weightcast.local.vllm_rollout import vllm_python
+        from weightcast.local.vllm_rollout import cpu_flags, fp8_engine_refusal, vllm_python
 
         if config.publisher.quantize == QUANTIZE_FP8:
-            raise ConfigError(FP8_VLLM_REFUSED)
+            gpu = Path("/dev/nvidiactl").exists()
+            if refusal := fp8_engine_refusal(cpu_flags(), gpu):
+                raise ConfigError(refusal)
         follower_python = vllm_python(up)
     if up.store == "s3":
         check_weed()

