@@ -204,14 +204,7 @@ def test_a_tp_that_cuts_a_block_is_refused_naming_the_tensor() -> None:
 
 
 def test_moe_experts_carry_their_scales_at_tp_and_ep() -> None:
-    shape = dataclasses.replace(
-        moe_shape(experts=4, moe_inter=256),
-        hidden_size=256,
-        num_heads=2,
-        head_dim=128,
-        num_kv_heads=2,
-        intermediate_size=256,
-    )
+    shape = MOE_FP8
     for ep in (1, 2):
         plan = plan_version(fp8_sources(shape), shape, 2, ep=ep)
         tensors = {t.name: t for t in plan.fused[0].tensors}
