@@ -15,7 +15,7 @@ import torch
 
 from weightcast.contract.fp8 import QUANTIZATION_CONFIG
 from weightcast.contract.manifest import Manifest
-from weightcast.local.vllm_rollout import cpu_flags, fp8_engine_refusal
+from weightcast.local.vllm_rollout import fp8_engine_refusal_here
 
 from helpers.models import save_pretrained_qwen3
 from helpers.processes import clean_env, run_weightcast
@@ -76,7 +76,7 @@ def test_up_quantize_fp8_samples_fp8_weights_and_reports_their_mismatch(tmp_path
 
 
 @pytest.mark.skipif(
-    fp8_engine_refusal(cpu_flags(), Path("/dev/nvidiactl").exists()) is None,
+    fp8_engine_refusal_here() is None,
     reason="vLLM builds FP8 engines here (AMX tiles or a GPU): nothing to refuse; "
     "tests/vllm/test_fp8_llm_updates.py updates one through the backend",
 )

@@ -391,12 +391,10 @@ def run_up(config: Config, options: UpOptions) -> int:
     up = config.up
     follower_python = ""
     if config.rollout.engine == "vllm":  # checked before anything starts
-        from weightcast.local.vllm_rollout import cpu_flags, fp8_engine_refusal, vllm_python
+        from weightcast.local.vllm_rollout import fp8_engine_refusal_here, vllm_python
 
-        if config.publisher.quantize == QUANTIZE_FP8:
-            gpu = Path("/dev/nvidiactl").exists()
-            if refusal := fp8_engine_refusal(cpu_flags(), gpu):
-                raise ConfigError(refusal)
+        if config.publisher.quantize == QUANTIZE_FP8 and (refusal := fp8_engine_refusal_here()):
+            raise ConfigError(refusal)
         follower_python = vllm_python(up)
     if up.store == "s3":
         check_weed()

@@ -180,6 +180,11 @@ def fp8_engine_refusal(flags: set[str], gpu: bool) -> str | None:
     )
 
 
+def fp8_engine_refusal_here() -> str | None:
+    """:func:`fp8_engine_refusal` for this machine (a GPU: NVIDIA's control device)."""
+    return fp8_engine_refusal(cpu_flags(), Path("/dev/nvidiactl").exists())
+
+
 def vllm_python(up: UpConfig) -> str:
     """The Python for ``up --engine vllm``'s rollout node; ConfigError unless it has vLLM
     and weightcast."""
