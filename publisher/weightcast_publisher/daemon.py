@@ -109,15 +109,16 @@ class Publisher:
         except ManifestError as exc:
             raise ConfigError(f"publisher.digest={cfg.digest}: {exc}") from None
         self.options = ConvertOptions(
-            cfg.tp,
-            cfg.layout,
-            cfg.per_rank_files,
-            cfg.reader,
-            cfg.digest,
-            cfg.delta,
-            cfg.expert_parallel,
-            cfg.delta_max_ratio,
-            cfg.quantize,
+            tp=cfg.tp,
+            layout=cfg.layout,
+            per_rank_files=cfg.per_rank_files,
+            reader=cfg.reader,
+            digest=cfg.digest,
+            delta=cfg.delta,
+            expert_parallel=cfg.expert_parallel,
+            delta_max_ratio=cfg.delta_max_ratio,
+            delta_behind=cfg.delta_behind,
+            quantize=cfg.quantize,
         )
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)

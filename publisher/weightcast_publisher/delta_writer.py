@@ -50,11 +50,14 @@ from weightcast.contract.manifest import (
 )
 from weightcast.contract.version_info import dir_version, version_dir_name
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.stop import Stop
 
 log = get_logger("publisher")
 
 DROP_TOO_LARGE = "too_large"
 DROP_BEHIND = "behind"
+DELTA_DROP, DELTA_WAIT = "drop", "wait"
+"""``publisher.delta_behind``: what a delta whose encoding falls behind the write does."""
 DROP_OTHER = "other"
 """Why a delta was dropped, in a word (the publisher's ``deltas_dropped`` counter's label):
 it stopped paying, its encoding fell behind the write, or anything else (another plan, a base
@@ -133,9 +136,12 @@ class DeltaSink:
         files: Sequence[str],
         digest: str,
         max_ratio: float = 0.5,
+        wait_when_behind: bool = False,
     ) -> None:
         self.base = base
         self.max_ratio = max_ratio
+        self.wait_when_behind = wait_when_behind
+        """Let the write wait for the encoding rather than drop the delta (``delta_behind``)."""
         self.path = directory / delta_file_name(base.manifest.version)
         self.expected = list(files)
         """The weights files the delta must cover, in the order they are written."""
@@ -240,7 +246,10 @@ class DeltaSink:
             self._drop(reason, planned, kind)
 
     def behind(self) -> None:
-        """The ring waits on the encoding: drop the delta rather than slow the write."""
+        """The ring waits on the encoding: drop the delta rather than slow the write (unless
+        told to wait for it)."""
+        if self.wait_when_behind:
+            return
         with self.lock:
             seen = f"{self.covered} of the version's bytes encoded"
             self._drop(f"the delta's encoding fell behind the write ({seen})", kind=DROP_BEHIND)
@@ -366,7 +375,7 @@ WARM_CHUNK = 16 * 1024 * 1024
 
 
 def warm_base(
-    directory: Path, names: Sequence[str], nbytes: int, stop: threading.Event
+    directory: Path, names: Sequence[str], nbytes: int, stop: Stop
 ) -> threading.Thread | None:
     """Read the weights files ``names`` (``nbytes`` in all) of the version just published
     back into the page cache in a background thread (``stop`` ends it early), and return

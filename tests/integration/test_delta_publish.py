@@ -393,15 +393,17 @@ def test_the_registry_says_why_a_version_has_no_delta_and_no_partial_delta_is_le
     assert not list((tmp_path / "weights").glob(".tmp-*"))
 
 
-def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize("behind", ["drop", "wait"])
+def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file_unless_told_to_wait(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, behind: str
 ) -> None:
     """The pipeline with no write at all (``digest_file``: the writer is done with every
     buffer at once) over a file of more buffers than the ring, half of the values moved at
     random places (zstd of the XOR costs some 20 ms a block, the copy from the page cache
     well under 1 ms; the size budget is lifted so that it does not end the delta first):
     the filling thread soon waits on a buffer only the encoding holds, and the delta is
-    dropped rather than slow the write."""
+    dropped rather than slow the write; with ``delta_behind = "wait"`` the write waits and
+    the whole delta is kept."""
     big = dataclasses.replace(SHAPE, vocab_size=8 * 32768)  # 2 x 128 MiB embeddings: 17 buffers
     state = hf_state(big, torch.bfloat16)
     first = write_snapshot(tmp_path / "checkpoints", 1, big, state)
@@ -419,11 +421,18 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file(
     sink, frames, entry = frames_for(tmp_path, v1, v2)
     assert entry.bytes > 6 * BUFFER_BYTES
     sink.max_ratio = 1.0
+    sink.wait_when_behind = behind == "wait"
     with caplog.at_level(logging.INFO, "weightcast.publisher"):
         spans = spans_of(v2.path / name)
         digested = digest_file(v2.path / name, spans, DEFAULT_DIGEST, name, Opened(frames))
-        assert sink.finish() is None
+        kept = sink.finish()
     assert digested == entry  # the version's own digests are whole
+    if behind == "wait":
+        assert kept is not None and sink.kind == "" and sink.covered == entry.bytes
+        delta, delta_entry = kept
+        assert sink.path.stat().st_size == delta_entry.bytes > 0
+        return
+    assert kept is None
     assert no_delta_reason(caplog).startswith("the delta's encoding fell behind the write")
     assert sink.kind == "behind"
     assert list(sink.path.parent.iterdir()) == []

@@ -423,6 +423,15 @@ class PublisherConfig:
         gt=0,
         le=1,
     )
+    delta_behind: str = setting(
+        "drop",
+        "what a delta whose encoding falls behind the write does: drop (the version is "
+        "published without it, never later than without deltas) or wait (the write waits for "
+        "the encoding: a slower publish, but nodes behind a store on other hosts, or many "
+        "nodes, read only the changed bytes; for hosts with few cores)",
+        flag="--delta-behind",
+        choices=("drop", "wait"),
+    )
     delta_window: int = setting(
         8,
         "delta-only versions kept beyond the `keep` full ones: an evicted version's full "
