@@ -429,7 +429,7 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file_unless_to
     assert digested == entry  # the version's own digests are whole
     if behind == "wait":
         assert kept is not None and sink.kind == "" and sink.covered == entry.bytes
-        delta, delta_entry = kept
+        _, delta_entry = kept
         assert sink.path.stat().st_size == delta_entry.bytes > 0
         return
     assert kept is None
