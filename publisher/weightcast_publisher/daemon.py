@@ -60,8 +60,8 @@ from weightcast.store.base import RemoteStore
 from weightcast.store.factory import open_store
 from weightcast_publisher.converter import (
     TMP_VERSION_PREFIX,
+    ConvertedVersion,
     ConvertOptions,
-    Published,
     convert,
 )
 from weightcast_publisher.delta_writer import warm_base
@@ -340,7 +340,7 @@ class Publisher:
             no_delta=published.no_delta,
         )
 
-    def convert(self, snapshot: Snapshot, version: int) -> Published:
+    def convert(self, snapshot: Snapshot, version: int) -> ConvertedVersion:
         """Write the version here (and its weights files to the store as they are written);
         whatever fails leaves nothing of it in the store."""
         try:
@@ -351,7 +351,7 @@ class Publisher:
                     self.remote.remove_version(version_dir_name(version))
             raise
 
-    def upload(self, version: int, published: Published) -> None:
+    def upload(self, version: int, published: ConvertedVersion) -> None:
         """Put the rest of the version in the store (nothing to do when the store is the
         weights directory), ``manifest.json`` last. On failure the version is removed, here
         and there, and the snapshot is published again at the next round."""
@@ -384,7 +384,9 @@ class Publisher:
             self.remote.trim_version(version_dir_name(version), delta_only_names(delta_from))
         trim_version_files(self.weights_dir, version, delta_from)
 
-    def register(self, version: int, snapshot: Snapshot, published: Published) -> tuple[int, float]:
+    def register(
+        self, version: int, snapshot: Snapshot, published: ConvertedVersion
+    ) -> tuple[int, float]:
         """Register the whole version directory, riding out a Redis outage; (outcome, lag).
 
         ``path`` (and ``hf_path``) are relative to the weights directory.

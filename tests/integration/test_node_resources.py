@@ -16,7 +16,7 @@ import torch
 
 from weightcast.client.node import Node
 from weightcast.client.reader import VersionReader
-from weightcast.client.vllm.protocol import Source
+from weightcast.client.vllm.protocol import ResolvedLocation
 from weightcast.client.vllm.staging import RankReader
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
@@ -37,7 +37,7 @@ VERSIONS = 4
 
 
 @dataclasses.dataclass
-class Published:
+class WideVersions:
     deployment: Deployment
     local: VersionReader
     """The publisher's own directory: what every read must equal, bitwise."""
@@ -51,7 +51,7 @@ def published(
     redis_server: RedisServer,
     s3_server: S3Server,
     s3_bucket: str,
-) -> Iterator[Published]:
+) -> Iterator[WideVersions]:
     """Versions 1-4 of WIDE in a bucket, each a small drift of the one before, each with its
     delta (``delta_behind = "wait"``: kept however slow the encoding), all four live."""
     settings = store_settings(s3_server, s3_bucket, retry_seconds=5)
@@ -72,7 +72,7 @@ def published(
         assert deployment.publish(state) == step
     assert all(deployment.reader().info(v).delta_from == v - 1 for v in range(2, VERSIONS + 1))
     local = VersionReader(tmp_path / "weights")
-    yield Published(deployment, local)
+    yield WideVersions(deployment, local)
     local.close()
     deployment.publisher.close()
 
@@ -84,7 +84,7 @@ VIA = ["full", "delta", "delta", "full", "chain", "full", "delta", "delta", "ful
 
 
 def test_a_vllm_ranks_reader_keeps_one_store_and_base_across_updates(
-    published: Published, redis_server: RedisServer
+    published: WideVersions, redis_server: RedisServer
 ) -> None:
     """The backend's reader for one rank, as vLLM keeps it: ten updates in a row through the
     same store (a bucket's client and thread pool, never closed by an update), each staged
@@ -92,7 +92,7 @@ def test_a_vllm_ranks_reader_keeps_one_store_and_base_across_updates(
     (Before, each update closed the store the next one read through: ``cannot schedule new
     futures after shutdown`` at the first full read after an update.)"""
     deployment = published.deployment
-    source = Source(
+    source = ResolvedLocation(
         redis_url=redis_server.url,
         namespace=deployment.keys.namespace,
         weights_root=deployment.location,
@@ -122,7 +122,7 @@ def resources(client: redis.Redis) -> dict[str, int]:
 
 
 def test_a_node_following_50_updates_from_a_bucket_holds_nothing_more_at_the_end(
-    published: Published,
+    published: WideVersions,
 ) -> None:
     """A keep-base node (as ``weightcast follow`` runs it) loads 50 updates over the route:
     after 10 to warm up, its threads, open files and Redis connections are what they were,

@@ -54,7 +54,7 @@ from vllm.logger import init_logger
 
 from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.client.vllm.placement import hf_tensors, packed_name
-from weightcast.client.vllm.protocol import REFUSED, InitInfo, Source, UpdateInfo, resolve
+from weightcast.client.vllm.protocol import REFUSED, InitInfo, ResolvedLocation, UpdateInfo, resolve
 from weightcast.client.vllm.staging import RankReader, StagedVersion
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.layout import LAYOUT_HF
@@ -184,7 +184,7 @@ class WeightcastWeightTransferEngine(
         self._check_fits(staged, rank, tp)
         return staged
 
-    def _rank_reader(self, source: Source, rank: int, config: Config) -> RankReader:
+    def _rank_reader(self, source: ResolvedLocation, rank: int, config: Config) -> RankReader:
         """The reader kept for this rank; a new one (the old one closed, its base dropped)
         when an update names another source or ``keep_base`` changed."""
         keep_base = self.defaults.keep_base

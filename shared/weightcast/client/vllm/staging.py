@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightcast.client.vllm.protocol import Source
+from weightcast.client.vllm.protocol import ResolvedLocation
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.layout import LAYOUT_HF
@@ -64,7 +64,9 @@ class RankReader:
     Store outages are ridden out for ``common.store_retry_seconds``, as on any node.
     """
 
-    def __init__(self, source: Source, rank: int, keep_base: bool, config: Config) -> None:
+    def __init__(
+        self, source: ResolvedLocation, rank: int, keep_base: bool, config: Config
+    ) -> None:
         self.source = source
         self.rank = rank
         self.client = WeightsClient(
@@ -78,7 +80,7 @@ class RankReader:
             max_delta_chain=config.follow.max_delta_chain,
         )
 
-    def serves(self, source: Source, rank: int, keep_base: bool) -> bool:
+    def serves(self, source: ResolvedLocation, rank: int, keep_base: bool) -> bool:
         """Whether this reader reads what an update from ``source`` asks for."""
         return (self.source, self.rank, self.client.files.keep_base) == (source, rank, keep_base)
 
