@@ -126,7 +126,7 @@ def test_a_node_following_50_updates_from_a_bucket_holds_nothing_more_at_the_end
 ) -> None:
     """A keep-base node (as ``weightcast follow`` runs it) loads 50 updates over the route:
     after 10 to warm up, its threads, open files and Redis connections are what they were,
-    its sockets within its store's connection pool, and its memory grew by less than half a
+    its sockets within its store's connection pool, and its memory grew by less than one
     version (a version, a store or a connection left behind per update would show 40 times
     over)."""
     deployment = published.deployment
@@ -156,7 +156,7 @@ def test_a_node_following_50_updates_from_a_bucket_holds_nothing_more_at_the_end
         store = weights.files.store
         assert isinstance(store, S3Store)
         assert end["sockets"] <= seen["sockets"] + store.concurrency + 4, (seen, end)
-        assert end["rss"] - seen["rss"] < version_bytes // 2, (seen, end)
+        assert end["rss"] - seen["rss"] < version_bytes, (seen, end)
     finally:
         node.close()
         weights.close()
