@@ -121,7 +121,8 @@ class Node:
         start = time.perf_counter()
         try:
             with self.client.lease(version) as info:
-                loaded = LoadedVersion(info, self.client.load(info), self.client.config(info))
+                config = self.client.config(info)  # first: a refusal leaves the base as held
+                loaded = LoadedVersion(info, self.client.load(info), config)
         except VersionGone:
             log.info(
                 "version evicted before it could be leased; trying the latest", version=version
