@@ -59,9 +59,9 @@ the log line's four digits."""
 MIN_SCORED = 1
 """Steps that scored a batch at least. The trainer trains the uniform v0's batches (not
 scored) until the publisher has registered the start as version 1, and how many steps that
-takes is the machine's timing: 4 to 8 of 10 on a loaded one. So only one is required, and the
-run has two steps more than those 8; every step after that window is scored (nothing is
-evicted)."""
+takes is the machine's timing: 4 to 8 of 10, and 10 of 12 beside three busy processes. So
+only one is required; every step after that window is scored (nothing is evicted). Only
+``up`` starting the rollout node after version 1 would bound that window."""
 
 
 def scored_steps(log: str) -> list[dict[str, str]]:
