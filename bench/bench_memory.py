@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import shutil
@@ -54,7 +55,7 @@ from bench_publisher import peak_rss_mb, publisher_env, settle, write_template
 from delta_memory import vm
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.keys import Keys
-from weightcast.contract.model_shape import SHAPES
+from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotFile, SnapshotInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
@@ -263,6 +264,7 @@ def main() -> None:
     try:
         with RedisServer(root / "redis") as server:
             for shape in args.shapes:
+                disk_check(SHAPES[shape], args.stores, root)
                 start = time.perf_counter()
                 nbytes, files = write_template(root / "s1", SHAPES[shape], FORMAT_DCP_SAFETENSORS)
                 nudged_copy(root / "s1", root / "s2", CHANGED)
@@ -287,6 +289,17 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+
+
+def disk_check(shape: ModelShape, stores: list[str], root: Path) -> None:
+    """Refuse a shape whose files would not fit: the disk is shared, and a full one fails
+    everyone's work. Two snapshots and two versions at once; a bucket adds its two versions
+    and as much again (SeaweedFS reclaims deleted objects' space late)."""
+    nbytes = 2 * sum(math.prod(size) for size in hf_tensor_shapes(shape).values())
+    need = nbytes * (4 + (4 if "s3" in stores else 0)) + 2 * 2**30
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise SystemExit(f"{free / 1e9:.0f} GB free, {need / 1e9:.0f} GB wanted: not run")
 
 
 def summary(shape: str, store: str, nbytes: int, rounds: list[dict]) -> dict:
