@@ -9,7 +9,6 @@ import dataclasses
 import gc
 import os
 import re
-import tracemalloc
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +27,7 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
+from helpers.memory import peak_traced
 from helpers.models import drift, hf_state, shape_of
 from helpers.snapshots import write_snapshot
 from helpers.versions import Deployment
@@ -344,18 +344,6 @@ def bomb(size: int, declared: bool) -> bytes:
     writer = zstandard.ZstdCompressor(level=1).compressobj(size=size if declared else -1)
     chunk = bytes(1 << 20)
     return b"".join(writer.compress(chunk) for _ in range(size >> 20)) + writer.flush()
-
-
-def peak_traced(read: Callable[[], object]) -> int:
-    """The most bytes Python and numpy held at once above the start, during ``read``."""
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        start, _ = tracemalloc.get_traced_memory()
-        read()
-        return tracemalloc.get_traced_memory()[1] - start
-    finally:
-        tracemalloc.stop()
 
 
 HOSTILE_FRAMES: dict[str, Callable[[bytes], bytes]] = {
