@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -49,45 +50,77 @@ from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
+    SHARDING_INFO_KEY,
     SnapshotFile,
     SnapshotInfo,
     data_file_name,
 )
+from weightcast.contract.tensorfile import encode_header, file_order
 from weightcast.local.redis_server import RedisServer
+from weightcast_trainer.dcp_safetensors import DCP_VERSION
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def random_state(shape: ModelShape) -> dict[str, torch.Tensor]:
-    """Random bf16 tensors under the shape's HF names: random bits with the exponent's top
-    bit cleared (finite, below 2 in magnitude), never repeating (a model's bytes do not
-    repeat either). Drawn four times faster than normal values, whose 8 billion draws for
-    the 8B shape take minutes."""
+def random_tensors(shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
+    """Random bf16 tensors under the shape's HF names, one at a time: random bits with the
+    exponent's top bit cleared (finite, below 2 in magnitude), never repeating (a model's bytes
+    do not repeat either). Drawn four times faster than normal values, whose 8 billion draws
+    for the 8B shape take minutes."""
     rng = np.random.default_rng(0)
-    state = {}
     for name, size in hf_tensor_shapes(shape).items():
         bits = rng.integers(0, 1 << 16, size=math.prod(size), dtype=np.uint16)
         bits &= 0xBFFF
-        state[name] = torch.from_numpy(bits).view(torch.bfloat16).reshape(size)
-    return state
+        yield name, torch.from_numpy(bits).view(torch.bfloat16).reshape(size)
+
+
+def random_state(shape: ModelShape) -> dict[str, torch.Tensor]:
+    """:func:`random_tensors`, all of them."""
+    return dict(random_tensors(shape))
+
+
+def write_streamed(path: Path, shape: ModelShape) -> int:
+    """:func:`random_tensors` as one ``dcp-safetensors/1`` file, the bytes the trainer's
+    ``write_file`` would write, tensor by tensor as each is drawn: the 8B shape's 16 GB are
+    never in memory at once. Its size."""
+    sizes = hf_tensor_shapes(shape)
+    offsets = {n: {"saved_offsets": [0] * len(s)} for n, s in sizes.items()}
+    metadata = {
+        SHARDING_INFO_KEY: json.dumps(offsets),
+        "DCP_VERSION": DCP_VERSION,
+        "format": "pt",
+    }
+    order = [n for n, _ in file_order((n, "BF16") for n in sizes)]
+    header = encode_header([(n, "BF16", sizes[n]) for n in order], metadata)
+    starts, at = {}, len(header)
+    for name in order:
+        starts[name], at = at, at + 2 * math.prod(sizes[name])
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, header, 0)
+        for name, tensor in random_tensors(shape):
+            view, done = memoryview(tensor.view(torch.uint8).reshape(-1).numpy()), 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], starts[name] + done)
+        os.fsync(fd)
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def write_template(
     path: Path, shape: ModelShape, format: str
 ) -> tuple[int, tuple[SnapshotFile, ...]]:
     """A random bf16 snapshot in HF names; the bytes of its data files and their listing."""
-    state = random_state(shape)
     path.mkdir(parents=True)
     files: tuple[SnapshotFile, ...] = ()
     if format == FORMAT_DCP_SAFETENSORS:
-        from weightcast_trainer.dcp_safetensors import write_file
-
-        offsets = {n: {"saved_offsets": [0] * t.dim()} for n, t in state.items()}
         name = data_file_name(0)
-        files = (SnapshotFile(name, write_file(path / name, state, offsets)),)
+        files = (SnapshotFile(name, write_streamed(path / name, shape)),)
     else:
         import torch.distributed.checkpoint as dcp
 
+        state = random_state(shape)
         dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
     (path / "config.json").write_text(json.dumps(shape.to_hf_config()))
     return sum(f.stat().st_size for f in data_files(path)), files

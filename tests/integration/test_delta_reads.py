@@ -6,11 +6,13 @@ skipped a version."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
-import tracemalloc
+import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -18,6 +20,7 @@ import torch
 import zstandard
 
 from weightcast.client.node import Node
+from weightcast.client.reader import VersionReader
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.delta import DeltaFile
 from weightcast.contract.errors import WeightsError
@@ -26,6 +29,7 @@ from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sh
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.local.redis_server import RedisServer
 
+from helpers.memory import peak_traced
 from helpers.models import drift, hf_state, shape_of
 from helpers.snapshots import write_snapshot
 from helpers.versions import Deployment
@@ -163,6 +167,33 @@ def test_without_a_base_or_a_delta_the_node_reads_in_full(run: Run) -> None:
     assert run.manifest(version).delta is None
     node.rank_tensors(version, 0, TP)
     assert node.files.stats.reason == f"version {version} has no delta"
+
+
+def test_a_full_read_lets_go_of_the_held_version_before_it_reads(
+    run: Run, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node keeping its base that reads a version in full (no delta from its base) holds
+    one version at a time, not two: the blocks it held are released before the new ones are
+    read, so its peak is one version's bytes (issue 35: at 8B, two would be 32 GB)."""
+    node = keeping(run)
+    node.rank_tensors(run.publish(), 0, TP)  # the base, its tensors dropped (on the GPU)
+    assert node.files.base is not None
+    held = [weakref.ref(f.data) for f in node.files.base.files.values()]
+    alive_at_read = []
+    read_file = VersionReader._read_file
+
+    def reading(self: VersionReader, *args: Any, **kwargs: Any) -> Any:
+        gc.collect()
+        alive_at_read.append(any(ref() is not None for ref in held))
+        return read_file(self, *args, **kwargs)
+
+    monkeypatch.setattr(VersionReader, "_read_file", reading)
+    run.deployment.publisher.options = dataclasses.replace(
+        run.deployment.publisher.options, delta=False
+    )
+    node.rank_tensors(run.publish(), 0, TP)
+    assert node.files.stats.via == "full"
+    assert alive_at_read and not any(alive_at_read)
 
 
 def test_a_delta_read_lands_in_host_memory_under_a_default_device_context(run: Run) -> None:
@@ -315,18 +346,6 @@ def bomb(size: int, declared: bool) -> bytes:
     writer = zstandard.ZstdCompressor(level=1).compressobj(size=size if declared else -1)
     chunk = bytes(1 << 20)
     return b"".join(writer.compress(chunk) for _ in range(size >> 20)) + writer.flush()
-
-
-def peak_traced(read: Callable[[], object]) -> int:
-    """The most bytes Python and numpy held at once above the start, during ``read``."""
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        start, _ = tracemalloc.get_traced_memory()
-        read()
-        return tracemalloc.get_traced_memory()[1] - start
-    finally:
-        tracemalloc.stop()
 
 
 HOSTILE_FRAMES: dict[str, Callable[[bytes], bytes]] = {

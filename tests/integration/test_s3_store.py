@@ -5,6 +5,7 @@ changed objects are refused; outages of the store and a full bucket are ridden o
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,10 +27,11 @@ from weightcast.contract.snapshot_format import CONFIG_NAME, read_complete
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
-from weightcast.store.s3 import PART_BYTES, S3Object, S3Store
+from weightcast.store.s3 import PART_BYTES, READ_PIECE_BYTES, S3Location, S3Object, S3Store
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
+from helpers.memory import peak_traced
 from helpers.models import shape_of
 from helpers.s3 import s3_client, store_settings
 from helpers.snapshots import write_snapshot
@@ -418,3 +420,24 @@ def test_a_get_failing_mid_fetch_leaves_no_read_writing_into_the_callers_buffers
     assert gets.started == started
     assert not [t for t in threading.enumerate() if t.name.startswith("weightcast-read")]
     assert others and others[0] > 0, others
+
+
+def test_a_ranged_get_goes_into_its_destination_a_small_piece_at_a_time(
+    s3_server: S3Server, s3_bucket: str
+) -> None:
+    """urllib3's ``readinto`` reads into a new bytes object as large as the view it is given,
+    then copies: handed a whole part, each GET in flight held a copy of up to 16 MiB (a node's
+    full read from a bucket peaked 190 MB above a directory's at 0.6B, issue 35). Handed a
+    small piece at a time, a GET holds only that beside its destination."""
+    data = os.urandom(PART_BYTES)
+    s3_client(s3_server).put_object(Bucket=s3_bucket, Key="v1/blob", Body=data)
+    url = f"s3://{s3_bucket}?addressing_style=path&endpoint_url={s3_server.endpoint_url}"
+    store = S3Store(S3Location.parse(url))
+    target = bytearray(len(data))
+    try:
+        with store.open_version("v1").open("blob", len(data)) as f:
+            peak = peak_traced(lambda: f.read_into([memoryview(target)], 0))
+    finally:
+        store.close()
+    assert target == data
+    assert peak <= 2 * READ_PIECE_BYTES, peak

@@ -305,6 +305,9 @@ class VersionReader:
                         stats.via, stats.links = "delta", 1
                         self.stats = stats
                         return tensors
+            # A full read replaces the base: let go of it first, so that a node holds one
+            # version at a time (at 8B, not 32 GB). Should the read fail, the next one is full.
+            self.base = None
             held = HeldBase(info.version, info.manifest_sha256, manifest, part)
             tensors = {}
             for name, file_wants in by_file.items():

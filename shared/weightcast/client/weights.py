@@ -196,10 +196,11 @@ class WeightsClient:
         """``read(links)``: with the leased links of a chain from the version held to
         ``info``'s when there is one that pays, else with none (the reader then reads by
         delta or in full, and says why no chain)."""
-        base = self.files.base if self.files.keep_base else None
-        if base is None or info.delta_from in (0, base.version) or info.version <= base.version:
+        # The base's number, not the base: a full read lets go of it (one version held, not two).
+        held = self.files.base.version if self.files.keep_base and self.files.base else None
+        if held is None or info.delta_from in (0, held) or info.version <= held:
             return read(())
-        links, why = chain_links(info, base.version, self._link_entry, self.files.max_delta_chain)
+        links, why = chain_links(info, held, self._link_entry, self.files.max_delta_chain)
         if not why:
             try:
                 with ChainLease(self, [link.version for link in links]) as leased:

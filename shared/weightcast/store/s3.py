@@ -71,6 +71,9 @@ log = get_logger("store")
 
 PART_BYTES = 16 * 1024 * 1024
 """Bytes per multipart part and per ranged GET at most."""
+READ_PIECE_BYTES = 1024 * 1024
+"""Bytes a GET's answer is read in at a time: urllib3's ``readinto`` reads into a new bytes
+object as large as the view it is given, then copies it."""
 UPLOAD_SLOTS = 6
 """Parts of one object a writer may have in flight as it writes (a copy each: 96 MiB)."""
 REPLY_BYTES = 4 * 1024 * 1024
@@ -489,7 +492,7 @@ class S3Object:
                     for view in views:
                         got = 0
                         while got < len(view):
-                            n = raw.readinto(view[got:])
+                            n = raw.readinto(view[got : got + READ_PIECE_BYTES])
                             if not n:
                                 raise UnusableReply("the answer ended early")
                             got += n
