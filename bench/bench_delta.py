@@ -77,7 +77,6 @@ from weightcast.contract.version_info import VersionInfo
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
 from weightcast_publisher.converter import ConvertOptions, convert
-from weightcast_publisher.delta_writer import DeltaSink
 from weightcast_publisher.snapshot_scan import Snapshot
 from weightcast_trainer.model import flavor_args
 
@@ -466,8 +465,7 @@ def node(args: argparse.Namespace) -> dict:
 
 def chain(args: argparse.Namespace) -> dict:
     # This measures the node: the publisher here keeps every delta, even one whose encoding
-    # falls behind its write on a loaded machine (the daemon would drop it: issue 29).
-    DeltaSink.behind = lambda self: None  # type: ignore[method-assign]
+    # falls behind its write on a loaded machine (``delta_behind`` wait).
     work = Path(tempfile.mkdtemp(prefix="bench-chain-", dir=args.dir))
     try:
         weights = work / "weights"
@@ -477,7 +475,8 @@ def chain(args: argparse.Namespace) -> dict:
         for version in range(2, newest + 1):
             source, target = work / f"s{version - 1}", work / f"s{version}"
             snapshot = moved_copy(source, target, args.changed * 100, seed=version)
-            published = convert(snapshot, weights, version, ConvertOptions(delta=True))
+            options = ConvertOptions(delta=True, delta_behind="wait")
+            published = convert(snapshot, weights, version, options)
             if published.no_delta:
                 raise SystemExit(f"v{version} has no delta: {published.no_delta}")
             shutil.rmtree(source)

@@ -23,8 +23,8 @@ MB; a node <= the model's bytes + 10%, beside its delta scratch).
 
 The daemon keeps every delta, even where the encoding falls behind the write (on a loaded
 2-core machine it does, and the daemon then drops the delta: issue 29): it runs with
-``DeltaSink.behind`` switched off, as ``bench_delta.py chain`` does. That changes no memory
-bound: the delta's frames are encoded from the ring's buffers.
+``--delta-behind wait``. That changes no memory bound: the delta's frames are encoded from
+the ring's buffers.
 
     PYTHONPATH=shared:trainer:publisher .venv/bin/python bench/bench_memory.py --rounds 3
     PYTHONPATH=shared:trainer:publisher .venv/bin/python bench/bench_memory.py --shapes 8B \
@@ -73,13 +73,6 @@ STEPS = (
     "node full v2",
     "node full v2->v3",
 )
-KEEP_DELTA = """import sys
-from weightcast_publisher.delta_writer import DeltaSink
-from weightcast.cli.main import main
-DeltaSink.behind = lambda self: None
-sys.exit(main(sys.argv[1:]))
-"""
-"""``weightcast``, its publisher keeping every delta however far the encoding falls behind."""
 
 
 def wait_for_memory(need: float) -> None:
@@ -153,7 +146,8 @@ class Publisher:
 
     def start(self, delta: bool) -> float:
         """Start the daemon; its peak RSS once it leads (MB)."""
-        command = [sys.executable, "-c", KEEP_DELTA, "publisher", "--tp", "1", "--keep", "1"]
+        command = [sys.executable, "-m", "weightcast", "publisher", "--tp", "1", "--keep", "1"]
+        command += ["--delta-behind", "wait"]
         command += ["--rescan-seconds", "30", "--delta" if delta else "--no-delta"]
         with open(self.log, "ab") as log:
             self.process = subprocess.Popen(

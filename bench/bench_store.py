@@ -86,7 +86,6 @@ from weightcast.local.redis_server import RedisServer
 from weightcast.store.factory import open_store
 from weightcast.store.s3 import PART_BYTES, S3Object, S3Store
 from weightcast_publisher.converter import ConvertOptions, convert
-from weightcast_publisher.delta_writer import DeltaSink
 from weightcast_publisher.snapshot_scan import Snapshot
 
 BUCKET = "bench"
@@ -457,8 +456,8 @@ def delta_part(args: argparse.Namespace, endpoint: str, snapshot: Snapshot, work
         # on a machine with cores to spare.
         print(f"  delta dropped ({published.no_delta}); again, the encoding let finish")
         shutil.rmtree(weights / "v2")
-        with patched(DeltaSink, "behind", lambda self: None):
-            published = convert(second, weights, 2, ConvertOptions(delta=True))
+        options = ConvertOptions(delta=True, delta_behind="wait")
+        published = convert(second, weights, 2, options)
         assert published.manifest.delta, published.no_delta
     store.upload_version("v2", weights / "v2")
     info = registered(weights, 2)
