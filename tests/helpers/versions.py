@@ -77,10 +77,11 @@ class Deployment:
         self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
         self.step = 0
 
-    def publish(self) -> int:
-        """Write the next snapshot and run one publisher pass: publish, evict, prune."""
+    def publish(self, state: dict[str, torch.Tensor] | None = None) -> int:
+        """Write the next snapshot (``state``, else :func:`helpers.models.hf_state`) and run
+        one publisher pass: publish, evict, prune."""
         self.step += 1
-        write_snapshot(self.root / "checkpoints", self.step, self.shape)
+        write_snapshot(self.root / "checkpoints", self.step, self.shape, state)
         self.publisher.scan_once()
         return int(self.client.get(self.keys.latest))
 
