@@ -79,14 +79,14 @@ STAGES = ("snapshot", "publish", "node", "total", "floor_write", "floor_read", "
 def worker(args: argparse.Namespace) -> None:
     """One vLLM-like worker: rank ``args.rank`` of a tp ``args.node_tp`` node."""
     from weightcast.client.reader import VersionReader
-    from weightcast.client.vllm.protocol import Source
+    from weightcast.client.vllm.protocol import ResolvedLocation
     from weightcast.client.vllm.staging import stage
     from weightcast.client.weights import WeightsClient
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     tp = args.node_tp
     node = f"node-tp{tp}"
-    source = Source(
+    source = ResolvedLocation(
         args.redis_url, args.namespace, Path(args.weights_dir), node, Path(args.verified_dir)
     )
     shape = SHAPES[args.shape]

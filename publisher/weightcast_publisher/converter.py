@@ -91,7 +91,9 @@ class ConvertOptions:
 
 
 @dataclass(frozen=True)
-class Published:
+class ConvertedVersion:
+    """A version written (and its weights files sent, with a store) but not registered yet."""
+
     path: Path
     manifest: Manifest
     manifest_sha256: str
@@ -140,7 +142,7 @@ def convert(
     version: int,
     options: ConvertOptions | None = None,
     remote: RemoteStore | None = None,
-) -> Published:
+) -> ConvertedVersion:
     """Write ``snapshot`` as version ``version`` in ``weights_dir``; its weights files also
     to ``remote`` as they are written (the rest is the publisher's to upload).
 
@@ -184,7 +186,7 @@ def convert(
         raise
     dropped = ("", "") if sink is None else (sink.reason, sink.kind)
     done = frozenset(uploads.done)
-    return Published(
+    return ConvertedVersion(
         final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped, done
     )
 

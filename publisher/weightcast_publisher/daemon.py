@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -56,12 +55,13 @@ from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN, Backoff, Outage
+from weightcast.runtime.stop import StopRequest
 from weightcast.store.base import RemoteStore
 from weightcast.store.factory import open_store
 from weightcast_publisher.converter import (
     TMP_VERSION_PREFIX,
+    ConvertedVersion,
     ConvertOptions,
-    Published,
     convert,
 )
 from weightcast_publisher.delta_writer import warm_base
@@ -142,7 +142,8 @@ class Publisher:
         )
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
-        self.stopping = threading.Event()
+        self.stopping = StopRequest()
+        """Set by SIGTERM / SIGINT (a flag: see :mod:`weightcast.runtime.stop`) or :meth:`stop`."""
         self.warming: threading.Thread | None = None
         """The read of the last version back into the page cache (the next delta's base)."""
         self.outage = Outage(budget=config.common.redis_retry_seconds, cap=cfg.retry_max_seconds)
@@ -166,7 +167,7 @@ class Publisher:
                 while not self.stopping.is_set():
                     delay = self.round()
                     self.last_tick = time.monotonic()
-                    watcher.wait(delay)
+                    watcher.wait(delay, self.stopping)
 
     def round(self) -> float:
         """One round of the loop: lead or stand by, then scan; the wait before the next.
@@ -212,7 +213,7 @@ class Publisher:
             log.warning("object store unavailable at start; publishing retries it", error=str(exc))
         watcher = self.watcher = SnapshotWatcher(self.checkpoint_dir, poll=self.cfg.poll)
         if threading.current_thread() is threading.main_thread():
-            self._install_signal_handlers()
+            self.stopping.install()
         server = serve(self.cfg.metrics_port, self.health, self.metrics.render)
         watcher.start()
         log.info(
@@ -339,7 +340,7 @@ class Publisher:
             no_delta=published.no_delta,
         )
 
-    def convert(self, snapshot: Snapshot, version: int) -> Published:
+    def convert(self, snapshot: Snapshot, version: int) -> ConvertedVersion:
         """Write the version here (and its weights files to the store as they are written);
         whatever fails leaves nothing of it in the store."""
         try:
@@ -350,7 +351,7 @@ class Publisher:
                     self.remote.remove_version(version_dir_name(version))
             raise
 
-    def upload(self, version: int, published: Published) -> None:
+    def upload(self, version: int, published: ConvertedVersion) -> None:
         """Put the rest of the version in the store (nothing to do when the store is the
         weights directory), ``manifest.json`` last. On failure the version is removed, here
         and there, and the snapshot is published again at the next round."""
@@ -383,7 +384,9 @@ class Publisher:
             self.remote.trim_version(version_dir_name(version), delta_only_names(delta_from))
         trim_version_files(self.weights_dir, version, delta_from)
 
-    def register(self, version: int, snapshot: Snapshot, published: Published) -> tuple[int, float]:
+    def register(
+        self, version: int, snapshot: Snapshot, published: ConvertedVersion
+    ) -> tuple[int, float]:
         """Register the whole version directory, riding out a Redis outage; (outcome, lag).
 
         ``path`` (and ``hf_path``) are relative to the weights directory.
@@ -602,23 +605,28 @@ class Publisher:
         return delay
 
     def stop(self) -> None:
-        """Ask :meth:`run` to return (what SIGTERM and SIGINT do)."""
+        """Ask :meth:`run` to return (what SIGTERM and SIGINT do): within ``WAIT_SLICE_S``
+        when it waits, after the publish in hand when it publishes."""
         self.stopping.set()
-        if self.watcher is not None:
-            self.watcher.poke()
 
-    def _install_signal_handlers(self) -> None:
-        signal.signal(signal.SIGTERM, lambda _signum, _frame: self.stop())
-        signal.signal(signal.SIGINT, lambda _signum, _frame: self.stop())
+    def close(self) -> None:
+        """Release the Redis connections and the store's client and threads."""
+        self.redis.close()
+        self._health_redis.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def run_publisher(config: Config) -> int:
     """Run the publisher; 1 when the disk failed outside the retried loop (``--once``, or
     setting up). :class:`NotLeader` and the other errors are the command's to print."""
+    publisher = Publisher(config)
     try:
-        Publisher(config).run()
+        publisher.run()
     except OSError as exc:
         gave_up = "publisher --once gave up" if config.publisher.once else "publisher gave up"
         log.error(gave_up, reason=str(exc))
         return 1
+    finally:
+        publisher.close()
     return 0

@@ -10,6 +10,7 @@ watchdog's log messages or changes its loggers.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
@@ -18,6 +19,7 @@ from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
 from weightcast.contract.snapshot_format import SNAPSHOT_PREFIX
+from weightcast.runtime.stop import WAIT_SLICE_S, Stop
 
 
 class _Hint(FileSystemEventHandler):
@@ -46,12 +48,15 @@ class SnapshotWatcher:
         self.observer.stop()
         self.observer.join(timeout=5)
 
-    def wait(self, timeout: float) -> bool:
-        """Block until a hint or ``timeout``; True when a hint came."""
-        hinted = self.wake.wait(timeout)
+    def wait(self, timeout: float, stop: Stop | None = None) -> bool:
+        """Block until a hint, ``timeout``, or ``stop`` (looked at every
+        ``WAIT_SLICE_S``: a signal handler only flags it); True when a hint came."""
+        deadline = time.monotonic() + timeout
+        hinted = False
+        while not hinted and (stop is None or not stop.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            hinted = self.wake.wait(left if stop is None else min(left, WAIT_SLICE_S))
         self.wake.clear()
         return hinted
-
-    def poke(self) -> None:
-        """Wake the waiting loop now (used on shutdown)."""
-        self.wake.set()

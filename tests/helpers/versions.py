@@ -78,8 +78,8 @@ class Deployment:
         self.step = 0
 
     def publish(self, state: dict[str, torch.Tensor] | None = None) -> int:
-        """Write the next snapshot (``state``, else :func:`helpers.models.hf_state`) and run
-        one publisher pass: publish, evict, prune."""
+        """Write the next snapshot (``state``, or the shape's fixed random one) and run one
+        publisher pass: publish, evict, prune."""
         self.step += 1
         write_snapshot(self.root / "checkpoints", self.step, self.shape, state)
         self.publisher.scan_once()

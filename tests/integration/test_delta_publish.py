@@ -37,7 +37,7 @@ from weightcast.contract.snapshot_format import read_complete
 from weightcast.contract.tensorfile import TensorSpan, read_header
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
-from weightcast_publisher.converter import ConvertOptions, Published, convert
+from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, convert
 from weightcast_publisher.delta_writer import DeltaSink, FileFrames, find_base
 from weightcast_publisher.safetensors_writer import BUFFER_BYTES, digest_file
 from weightcast_publisher.snapshot_scan import Snapshot
@@ -69,7 +69,7 @@ def snapshots(tmp_path: Path) -> tuple[Snapshot, Snapshot]:
     return Snapshot(first, read_complete(first)), Snapshot(second, read_complete(second))
 
 
-def info(published: Published) -> VersionInfo:
+def info(published: ConvertedVersion) -> VersionInfo:
     """The registry entry the daemon would write for ``published``."""
     text = (published.path / MANIFEST_NAME).read_bytes()
     m = published.manifest
@@ -79,7 +79,9 @@ def info(published: Published) -> VersionInfo:
     )  # fmt: skip
 
 
-def read(reader: VersionReader, version: Published, rank: int, tp: int) -> dict[str, torch.Tensor]:
+def read(
+    reader: VersionReader, version: ConvertedVersion, rank: int, tp: int
+) -> dict[str, torch.Tensor]:
     """What a node reads of ``version``: its rank's part, or every tensor of an HF layout."""
     if version.manifest.layout == LAYOUT_HF:
         return reader.load(info(version))
@@ -215,7 +217,7 @@ class Opened:
 
 
 def frames_for(
-    tmp_path: Path, v1: Published, v2: Published
+    tmp_path: Path, v1: ConvertedVersion, v2: ConvertedVersion
 ) -> tuple[DeltaSink, FileFrames, FileEntry]:
     """A delta from ``v1`` written into a fresh folder, the encoder of ``v2``'s fused file's
     frames (fed by hand), and that file's entry."""

@@ -17,11 +17,13 @@ import redis
 import torch
 import zstandard
 
+from weightcast.client.node import Node
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.delta import DeltaFile
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
+from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.local.redis_server import RedisServer
 
 from helpers.models import drift, hf_state, shape_of
@@ -436,3 +438,26 @@ def test_a_damaged_or_missing_delta_file_makes_the_node_read_the_full_version(
     assert node.files.stats.reason.startswith(f"the delta failed: {path}"), node.files.stats.reason
     node.rank_tensors(run.publish(), 1, TP)
     assert node.files.stats.via == "delta", node.files.stats.reason
+
+
+def test_a_version_refused_for_its_config_leaves_the_node_on_the_version_it_holds(
+    run: Run,
+) -> None:
+    """The config is checked before the delta is applied: a version refused for it leaves
+    the held base (and tensors) the version the node reports, and the next version still
+    comes without a full read."""
+    node, full = Node(keeping(run), report_every=60), run.deployment.reader()
+    first = run.publish()
+    loaded = node.load(first)
+    assert loaded is not None
+    before = {name: tensor.clone() for name, tensor in loaded.tensors.items()}
+    refused = run.publish()
+    config = run.deployment.root / "weights" / f"v{refused}" / CONFIG_NAME
+    config.write_bytes(config.read_bytes().replace(b"{", b"{ ", 1))  # not the manifest's
+    assert node.load(refused) is None
+    assert (node.current, node.seen) == (first, refused)
+    assert node.client.files.base is not None and node.client.files.base.version == first
+    assert same(loaded.tensors, before)
+    after = node.load(run.publish())
+    assert after is not None and same(after.tensors, full.load(after.info))
+    assert node.via == "chain", node.client.files.stats.reason

@@ -36,7 +36,7 @@ from weightcast.contract.snapshot_format import (
 )
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
-from weightcast_publisher.converter import ConvertOptions, Published, convert
+from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
 from helpers.models import hf_state, moe_shape, shape_of
@@ -67,7 +67,7 @@ EXPERTS = "mlp.experts.routed_experts"
 
 def publish(
     tmp_path: Path, shape: ModelShape, state: dict, format: str = FORMAT_DCP_SAFETENSORS, **options
-) -> Published:
+) -> ConvertedVersion:
     snapshot = write_snapshot(tmp_path / "checkpoints", 1, shape, state, format)
     options = {"quantize": "fp8", **options}
     published = convert(
@@ -80,7 +80,7 @@ def publish(
     return published
 
 
-def info(published: Published) -> VersionInfo:
+def info(published: ConvertedVersion) -> VersionInfo:
     text = (published.path / MANIFEST_NAME).read_bytes()
     m = published.manifest
     return VersionInfo(

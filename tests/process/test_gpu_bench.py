@@ -12,6 +12,9 @@ from helpers.files import REPO
 from helpers.processes import clean_env
 
 STEPS = ["trainer", "publish-tp1", "publish-tp2", "inplace", "freshness-tp1", "freshness-tp2"]
+HANG_S = 3600
+"""Only a hang: ``--dry`` has no time budget, and a step is killed only after 15 minutes, so a
+loaded machine's slow steps still pass (what they must produce is asserted, not how fast)."""
 
 
 def test_the_dry_run_runs_every_step_and_writes_each_steps_figures(tmp_path: Path) -> None:
@@ -22,7 +25,7 @@ def test_the_dry_run_runs_every_step_and_writes_each_steps_figures(tmp_path: Pat
         env=env,
         capture_output=True,
         text=True,
-        timeout=400,
+        timeout=HANG_S,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     report = json.loads((out / "results.json").read_text())

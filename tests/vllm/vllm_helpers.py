@@ -397,3 +397,10 @@ class Server:
                 }
             )
         return results
+
+
+def worker_resources(worker: Any) -> dict[str, int]:
+    """A vLLM worker's threads, files, sockets and memory (``collective_rpc`` it)."""
+    from helpers.processes import process_resources
+
+    return process_resources()

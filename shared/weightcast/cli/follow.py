@@ -14,10 +14,6 @@ capped exponential back-off, then one clear error) and serves ``/healthz`` on
 
 from __future__ import annotations
 
-import signal
-import threading
-from typing import Any
-
 from weightcast.client.node import Follower, Node
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import ConfigError
@@ -25,6 +21,7 @@ from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.retry import Outage
+from weightcast.runtime.stop import StopRequest
 
 log = get_logger("follow")
 
@@ -44,13 +41,7 @@ def run_follow(config: Config) -> int:
         max_delta_chain=cfg.max_delta_chain,
     )
     client.files.store.check()
-    stop = threading.Event()
-
-    def request_stop(_signum: int, _frame: Any) -> None:
-        stop.set()
-
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
+    stop = StopRequest().install()
     node: Follower
     if cfg.vllm_url:
         from weightcast.client.vllm.server_node import server_node

@@ -14,7 +14,6 @@ the node does with the tensors (a transformers model, a vLLM engine) is the call
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +24,7 @@ from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import ObjectMissing, StoreUnavailable, VersionGone, WeightsError
 from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.stop import Stop
 
 log = get_logger("node")
 
@@ -56,7 +56,7 @@ class Follower(Protocol):
         """The version served (0: none yet)."""
         ...
 
-    def step(self, poll: float, stop: threading.Event | None = None) -> None:
+    def step(self, poll: float, stop: Stop | None = None) -> None:
         """Report when due, then wait up to ``poll`` seconds for a newer version and load it."""
         ...
 
@@ -92,7 +92,7 @@ class Node:
             self.client.report_loaded(self.current, via=self.via, read_bytes=self.read_bytes)
             self.reported_at = time.monotonic()
 
-    def step(self, poll: float, stop: threading.Event | None = None) -> None:
+    def step(self, poll: float, stop: Stop | None = None) -> None:
         """Report when due, wait up to ``poll`` seconds for a newer version (``stop`` ends
         the wait early), load it if there is one."""
         self.report()
@@ -121,7 +121,8 @@ class Node:
         start = time.perf_counter()
         try:
             with self.client.lease(version) as info:
-                loaded = LoadedVersion(info, self.client.load(info), self.client.config(info))
+                config = self.client.config(info)  # first: a refusal leaves the base as held
+                loaded = LoadedVersion(info, self.client.load(info), config)
         except VersionGone:
             log.info(
                 "version evicted before it could be leased; trying the latest", version=version

@@ -25,6 +25,7 @@ from weightcast.contract.errors import WeightcastError
 from weightcast.contract.keys import TRAINER_GROUP, Keys
 from weightcast.contract.streams import ensure_group
 from weightcast.runtime.redis_client import redis_client
+from weightcast.runtime.stop import Stop
 
 _COUNT_AFTER = """
 return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', tonumber(ARGV[2]))
@@ -116,7 +117,7 @@ class BatchProducer:
         """Whether a push would go through without waiting."""
         return not self.max_pending or self.undelivered() < self.max_pending
 
-    def wait_for_room(self, stop: threading.Event | None = None) -> bool:
+    def wait_for_room(self, stop: Stop | None = None) -> bool:
         """Block until fewer than ``max_pending`` entries are undelivered (True), ``stop`` is
         set (False), or time out with :class:`BackPressureTimeout`."""
         if not self.max_pending:
@@ -143,7 +144,7 @@ class BatchProducer:
         tensors: Mapping[str, torch.Tensor],
         policy_version: int,
         meta: Mapping[str, Any],
-        stop: threading.Event | None,
+        stop: Stop | None,
     ) -> str | None:
         """:meth:`push`, giving up (None, nothing added) if ``stop`` is set while it waits."""
         fields = self.encode(tensors, policy_version, meta)

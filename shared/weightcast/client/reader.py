@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ from weightcast.store.directory import DirectoryStore, plain_name
 from weightcast.store.factory import open_store
 
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MANIFESTS_KEPT = 8
+"""Verified manifests a reader keeps parsed (a chain's links and the version), so that one
+update fetches, hashes and parses each manifest once however many calls read it."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,8 @@ class VersionReader:
         max_delta_chain: int = DEFAULT_MAX_DELTA_CHAIN,
     ) -> None:
         self.store = open_store(weights_root, store_retry_seconds)
+        self._owns_store = not isinstance(weights_root, Store)
+        """A store handed in is its giver's to close; one opened here is this reader's."""
         self.record = ProcessRecord() if verified_dir is None else NodeRecord(verified_dir)
         self.stats = ReadStats()
         """What the last read to finish did."""
@@ -178,6 +184,8 @@ class VersionReader:
         """The verified blocks of the last version read (``keep_base``): a delta's base."""
         self.max_delta_chain = max_delta_chain
         """Deltas applied in a row at most (a chain of ``links``)."""
+        self._manifests: OrderedDict[tuple[str, str], Manifest] = OrderedDict()
+        """Manifests read and checked, by path and the registry's SHA-256 of them."""
 
     def path(self, info: VersionInfo) -> Path:
         """Where the version is on this node's filesystem (inside the weights root, or a
@@ -187,8 +195,9 @@ class VersionReader:
         return self.store.path(info.path)
 
     def close(self) -> None:
-        """Release the store's connections."""
-        self.store.close()
+        """Release the store's connections (a store handed in stays open: its giver's)."""
+        if self._owns_store:
+            self.store.close()
 
     def manifest(self, info: VersionInfo) -> Manifest:
         """The manifest, checked against the registry's digest and for what a node opens."""
@@ -459,6 +468,18 @@ class VersionReader:
             ) from None
 
     def _manifest(self, directory: StoredVersion, info: VersionInfo) -> Manifest:
+        """The manifest, checked against the registry's digest: read once per path and
+        digest (the digest pins its content), then kept parsed."""
+        key = (info.path, info.manifest_sha256)
+        manifest = self._manifests.get(key)
+        if manifest is None:
+            manifest = self._read_manifest(directory, info)
+            self._manifests[key] = manifest
+            if len(self._manifests) > MANIFESTS_KEPT:
+                self._manifests.popitem(last=False)
+        return manifest
+
+    def _read_manifest(self, directory: StoredVersion, info: VersionInfo) -> Manifest:
         label = f"{directory.label}/{MANIFEST_NAME}"
         data = directory.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
         if sha256_bytes(data) != info.manifest_sha256:

@@ -43,6 +43,7 @@ from weightcast.contract.version_info import VersionInfo
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN
+from weightcast.runtime.stop import Stop
 
 log = get_logger("weights")
 
@@ -104,7 +105,7 @@ class WeightsClient:
         version: int,
         timeout: float,
         poll: float = 2.0,
-        stop: threading.Event | None = None,
+        stop: Stop | None = None,
     ) -> int | None:
         """Wait until ``latest`` exceeds ``version``; None on timeout (or once ``stop`` is set).
 

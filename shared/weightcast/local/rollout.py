@@ -18,7 +18,6 @@ The math is in pure functions (:func:`toy_reward`, :func:`group_advantages`,
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from weightcast.local.policy import Policy
 from weightcast.runtime.config import Config, RolloutConfig
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage
+from weightcast.runtime.stop import Stop
 
 log = get_logger("rollout")
 
@@ -249,7 +249,7 @@ class RolloutLoop:
         return True
 
 
-def run_rollout_node(config: Config, node: Node, stop: threading.Event, outage: Outage) -> int:
+def run_rollout_node(config: Config, node: Node, stop: Stop, outage: Outage) -> int:
     """Load each new version and keep the trainer fed with rollouts from the newest one.
 
     Redis outages and a full Redis (the trainer is not consuming) are waited out through
@@ -298,14 +298,16 @@ def run_rollout_node(config: Config, node: Node, stop: threading.Event, outage: 
         node.report()
         progressed = loop.step()
 
-    while not stop.is_set():
-        if not outage.attempt(step, "producing rollouts", stop.wait):
-            idle_since = time.monotonic()  # waiting for Redis is not the trainer idling
-        elif progressed:
-            idle_since = time.monotonic()
-        elif time.monotonic() - idle_since > cfg.timeout:
-            raise producer.timed_out(producer.undelivered())
-        else:
-            stop.wait(_IDLE_S)
-    producer.close()
+    try:
+        while not stop.is_set():
+            if not outage.attempt(step, "producing rollouts", stop.wait):
+                idle_since = time.monotonic()  # waiting for Redis is not the trainer idling
+            elif progressed:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > cfg.timeout:
+                raise producer.timed_out(producer.undelivered())
+            else:
+                stop.wait(_IDLE_S)
+    finally:
+        producer.close()
     return 0

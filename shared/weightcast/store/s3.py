@@ -17,6 +17,14 @@ Every call goes through :meth:`S3Store.call`: throttling, 5xx answers and lost c
 are retried with capped exponential back-off (:class:`~weightcast.runtime.retry.Backoff`) for
 ``retry_seconds``, then raise :class:`StoreUnavailable`; a refused credential, a missing
 bucket or a 403 raises :class:`StoreAccessDenied` at once (:mod:`weightcast.store.s3_replies`).
+
+The endpoint's answers are trusted no more than the objects (:class:`BoundedSession`): every
+request must end within ``retry_seconds`` (:data:`REQUEST_SECONDS` at least; a connection
+still answering then is shut down, one silent before its headers is given up),
+a body botocore parses (an error, a listing) is read up to a cap, and a size that is missing,
+negative, no number or not what was asked for, an answer cut short, or a listing that goes
+round in circles is an :class:`~weightcast.store.s3_replies.UnusableReply`: retried like a
+lost connection.
 Credentials come from boto3's standard chain (environment, profile, instance role) and never
 appear in a log, a message or Redis.
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
@@ -34,9 +43,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Self, TypeVar
 from urllib.parse import parse_qsl, urlsplit
+from xml.etree.ElementTree import ParseError, XMLPullParser
 
 import boto3
+from botocore.awsrequest import AWSPreparedRequest, AWSResponse
 from botocore.config import Config as BotoConfig
+from urllib3 import BaseHTTPResponse
 
 from weightcast.contract.errors import (
     ConfigError,
@@ -52,7 +64,7 @@ from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Backoff
 from weightcast.store.base import Identity, RemoteStore
 from weightcast.store.directory import plain_name
-from weightcast.store.s3_replies import store_error
+from weightcast.store.s3_replies import UnusableReply, store_error
 
 T = TypeVar("T")
 log = get_logger("store")
@@ -61,6 +73,17 @@ PART_BYTES = 16 * 1024 * 1024
 """Bytes per multipart part and per ranged GET at most."""
 UPLOAD_SLOTS = 6
 """Parts of one object a writer may have in flight as it writes (a copy each: 96 MiB)."""
+REPLY_BYTES = 4 * 1024 * 1024
+"""The longest body botocore parses that is not an error (a listing of 1,000 keys: ~1.5 MB)."""
+ERROR_BYTES = 64 * 1024
+"""The longest error body read (S3's are under 1 KiB); a longer one is dropped unread and the
+answer's HTTP status says what it was."""
+XML_DEPTH = 32
+"""The deepest nesting of a parsed body (S3's: 4); a deeper one never reaches the parser."""
+REQUEST_SECONDS = 10.0
+"""How long a request may take at least, whatever ``retry_seconds`` (a 16 MiB part's upload)."""
+LIST_PAGES = 100_000
+"""Pages of one listing at most (100 million keys): a listing that never ends is refused."""
 ADDRESSING_STYLES = ("auto", "path", "virtual")
 URL_OPTIONS = ("endpoint_url", "region", "addressing_style")
 
@@ -122,12 +145,14 @@ class S3Store(RemoteStore):
         self.bucket = location.bucket
         self.prefix = location.prefix
         self.retry_seconds = retry_seconds
+        self.request_seconds = max(retry_seconds, REQUEST_SECONDS)
+        """How long one request may take, its answer's body read (:data:`DEADLINE`)."""
         self.concurrency = concurrency
         config = BotoConfig(
             retries={"total_max_attempts": 1},  # retried here, with the project's back-off
             max_pool_connections=concurrency + 4,
             connect_timeout=5,
-            read_timeout=60,
+            read_timeout=min(60.0, self.request_seconds),  # a stall before the headers
             s3={"addressing_style": location.addressing_style},
         )
         session = boto3.session.Session()
@@ -137,6 +162,8 @@ class S3Store(RemoteStore):
             region_name=location.region or None,
             config=config,
         )
+        endpoint = self.client._endpoint  # botocore's only hook between socket and parser
+        endpoint.http_session = BoundedSession(endpoint.http_session)
         self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="weightcast-s3")
         self.upload_slots = UPLOAD_SLOTS
 
@@ -145,11 +172,13 @@ class S3Store(RemoteStore):
         self.client.close()
 
     def call(self, what: str, fn: Callable[[], T]) -> T:
-        """``fn()``, retried through an outage of the store (see the module doc)."""
+        """``fn()``, retried through an outage of the store (see the module doc); each try
+        ends within ``request_seconds`` (:data:`DEADLINE`)."""
         backoff = Backoff(0.2, 5.0)
         since = time.monotonic()
         while True:
             try:
+                DEADLINE.at = time.monotonic() + self.request_seconds
                 return fn()
             except WeightcastError:
                 raise
@@ -165,6 +194,8 @@ class S3Store(RemoteStore):
                     "object store unavailable; retrying", what=what, retry_in=round(pause, 2)
                 )
                 time.sleep(pause)
+            finally:
+                DEADLINE.at = NO_DEADLINE  # no deadline for a request made outside a call
 
     def key(self, *names: str) -> str:
         return self.prefix + "/".join(names)
@@ -267,16 +298,25 @@ class S3Store(RemoteStore):
         return removed
 
     def _keys(self, prefix: str) -> Iterator[str]:
-        token: dict[str, str] = {}
-        while True:
-            page = self.call(
-                f"listing {prefix}",
-                partial(self.client.list_objects_v2, Bucket=self.bucket, Prefix=prefix, **token),
-            )
+        token = ""
+        for _ in range(LIST_PAGES):
+            page = self.call(f"listing {prefix}", partial(self._list_page, prefix, token))
             yield from (item["Key"] for item in page.get("Contents", []))
             if not page.get("IsTruncated"):
                 return
-            token = {"ContinuationToken": page["NextContinuationToken"]}
+            token = page["NextContinuationToken"]
+        raise StoreUnavailable(f"{self.label}: listing {prefix}: more than {LIST_PAGES} pages")
+
+    def _list_page(self, prefix: str, token: str) -> dict[str, Any]:
+        """One page of the keys under ``prefix``, after ``token``; a truncated page must say
+        where the next one starts, elsewhere than this one."""
+        more = {"ContinuationToken": token} if token else {}
+        page: dict[str, Any] = self.client.list_objects_v2(
+            Bucket=self.bucket, Prefix=prefix, **more
+        )
+        if page.get("IsTruncated") and page.get("NextContinuationToken", token) == token:
+            raise UnusableReply("a truncated listing names no next page")
+        return page
 
 
 class MultipartUpload:
@@ -367,15 +407,18 @@ class S3Version:
     def open(self, name: str, expected_bytes: int | None = None) -> S3Object:
         key = self.store.key(*self.parts, plain_name(name, "file"))
         label = f"s3://{self.store.bucket}/{key}"
-        head = self.store.call(
-            f"opening {name}",
-            partial(self.store.client.head_object, Bucket=self.store.bucket, Key=key),
-        )
-        size = int(head["ContentLength"])
+        head = self.store.call(f"opening {name}", partial(self._head, key))
+        size = head["ContentLength"]
         if expected_bytes is not None and size != expected_bytes:
             raise WeightsError(f"{label}: {size} bytes, the manifest says {expected_bytes}")
         identity = ("s3", str(head.get("ETag", "")), size, str(head.get("LastModified", "")))
         return S3Object(self.store, key, label, size, identity)
+
+    def _head(self, key: str) -> dict[str, Any]:
+        head: dict[str, Any] = self.store.client.head_object(Bucket=self.store.bucket, Key=key)
+        if not isinstance(head.get("ContentLength"), int):  # the header's digits: BoundedSession
+            raise UnusableReply("the answer gives no size (Content-Length)")
+        return head
 
     def read_small(self, name: str, limit: int, expected_bytes: int | None = None) -> bytes:
         with self.open(name, expected_bytes) as f:
@@ -435,20 +478,21 @@ class S3Object:
                 IfMatch=self.etag,
             )
             body = answer["Body"]
+            raw = body._raw_stream  # urllib3's response: readinto without a copy
             try:
-                length = int(answer.get("ContentLength", -1))
+                length = answer.get("ContentLength")
                 if length != total:
-                    raise WeightsError(
-                        f"{self.label}: asked for {total} bytes at {offset}, got {length}"
-                    )
-                raw = body._raw_stream  # urllib3's response: readinto without a copy
-                for view in views:
-                    got = 0
-                    while got < len(view):
-                        n = raw.readinto(view[got:])
-                        if not n:
-                            raise WeightsError(f"{self.label}: the store's answer ended early")
-                        got += n
+                    raise UnusableReply(f"asked for {total} bytes at {offset}, got {length}")
+                if self.etag and answer.get("ETag", self.etag) != self.etag:
+                    raise WeightsError(f"{self.label}: changed since it was opened (its ETag)")
+                with cut_at_deadline(raw):
+                    for view in views:
+                        got = 0
+                        while got < len(view):
+                            n = raw.readinto(view[got:])
+                            if not n:
+                                raise UnusableReply("the answer ended early")
+                            got += n
             finally:
                 body.close()
 
@@ -462,6 +506,116 @@ class S3Object:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+NO_DEADLINE = float("inf")
+
+
+class _Deadline(threading.local):
+    at = NO_DEADLINE
+
+
+DEADLINE = _Deadline()
+"""When the request this thread sends must have ended (:meth:`S3Store.call` sets it)."""
+
+
+@contextlib.contextmanager
+def cut_at_deadline(raw: BaseHTTPResponse) -> Iterator[None]:
+    """Read ``raw``'s body within :data:`DEADLINE`: a read blocked then (a stalled or trickling
+    endpoint) ends, as its connection is shut down, in an :class:`UnusableReply`."""
+    try:
+        fd: int | None = raw.fileno()
+    except (OSError, ValueError):  # the answer holds no connection: no read can block
+        fd = None
+    with contextlib.ExitStack() as stack:
+        if fd is not None and DEADLINE.at < NO_DEADLINE:
+            # a socket object of its own on the connection: the answer may close its own first
+            sock = stack.enter_context(socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM))
+            timer = threading.Timer(max(0.0, DEADLINE.at - time.monotonic()), _shut, (sock,))
+            timer.start()
+            stack.callback(timer.cancel)
+        try:
+            yield
+        except Exception:
+            if time.monotonic() >= DEADLINE.at:
+                raise UnusableReply("no complete answer within the request's deadline") from None
+            raise
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class BoundedSession:
+    """botocore's HTTP session, its answers checked before botocore reads them: a
+    ``Content-Length`` must be digits; a body botocore would parse is read within the
+    request's deadline, up to :data:`REPLY_BYTES` (:data:`ERROR_BYTES` for an error: a longer
+    or too deeply nested one is dropped, its status says what it was); streamed object bodies
+    are left to :meth:`S3Object.read_into`."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def send(self, request: AWSPreparedRequest) -> AWSResponse:
+        streamed = request.stream_output
+        request.stream_output = True  # botocore would read the body whole, here
+        response: AWSResponse = self.inner.send(request)
+        raw: BaseHTTPResponse = response.raw
+        length = response.headers.get("Content-Length")
+        if length is not None and not (length.isascii() and length.isdigit()):
+            _drop(raw)
+            raise UnusableReply(f"Content-Length {length[:40]!r} is no size")
+        if streamed and response.status_code < 300:
+            return response
+        error = response.status_code >= 300
+        cap = ERROR_BYTES if error else REPLY_BYTES
+        if length is not None and int(length) > cap:
+            body = None
+        else:
+            with cut_at_deadline(raw):
+                body = raw.read(cap + 1)
+            body = body if len(body) <= cap and not _too_deep(body) else None
+        if body is None:
+            _drop(raw)
+            if not error:
+                raise UnusableReply(f"an answer of more than {cap} bytes, or nested too deep")
+        return AWSResponse(response.url, response.status_code, response.headers, _Read(body))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _Read:
+    """A body read already, as botocore reads one (``stream()``)."""
+
+    def __init__(self, body: bytes | None) -> None:
+        self.body = body or b""
+
+    def stream(self) -> Iterator[bytes]:
+        yield self.body
+
+
+def _drop(raw: BaseHTTPResponse) -> None:
+    """Close an answer without reading the rest of it."""
+    raw.close()
+    raw.release_conn()
+
+
+def _too_deep(body: bytes) -> bool:
+    """Whether ``body`` is XML nested deeper than :data:`XML_DEPTH` (botocore's parser
+    recurses); not XML at all is the parser's to say."""
+    parser = XMLPullParser(("start", "end"))
+    depth = 0
+    try:
+        parser.feed(body)
+        for event, _ in parser.read_events():
+            depth += 1 if event == "start" else -1
+            if depth > XML_DEPTH:
+                return True
+    except ParseError:
+        return False
+    return False
 
 
 def _ranges(buffers: Sequence[memoryview], offset: int) -> Iterator[tuple[int, list[memoryview]]]:

@@ -5,7 +5,9 @@ botocore raises :class:`~botocore.exceptions.ClientError` for every answer the s
 came. :func:`store_error` maps both, in one table each, to what the caller does next:
 retry (:class:`StoreUnavailable`), stop with one line (:class:`StoreAccessDenied`), wait for
 room (:class:`StoreFull`), try the version later (:class:`ObjectMissing`) or refuse it
-(:class:`WeightsError`).
+(:class:`WeightsError`). An answer the client cannot use as it came (:class:`UnusableReply`,
+raised by :mod:`weightcast.store.s3` as it checks every answer, or botocore's parser failing
+on one) is an outage like a lost connection: it may pass.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from botocore.exceptions import (
     ReadTimeoutError,
     ResponseStreamingError,
 )
+from botocore.parsers import ResponseParserError
 from urllib3.exceptions import HTTPError, ProtocolError
 
 from weightcast.contract.errors import (
@@ -31,6 +34,13 @@ from weightcast.contract.errors import (
     WeightcastError,
     WeightsError,
 )
+
+
+class UnusableReply(Exception):
+    """An answer of the store's that cannot be used as it came: a size missing, negative or
+    no number, a body longer than its cap or nested past reason, shorter or longer than it
+    said, later than the request's deadline, a listing that goes round in circles."""
+
 
 S3_REPLIES: dict[str, type[WeightcastError]] = {
     "AccessDenied": StoreAccessDenied,
@@ -68,7 +78,8 @@ HTTP_STATUSES: dict[int, type[WeightcastError]] = {
     507: StoreFull,
 }
 """For answers whose code is not in :data:`S3_REPLIES` (a HEAD's answer has no body): the
-HTTP status. Any other 5xx is an outage."""
+HTTP status. Any other 5xx is an outage, and so is a redirect (the client follows none:
+the endpoint or a proxy before it is misconfigured, which may pass)."""
 
 NO_ANSWER = (
     ConnectionClosedError,
@@ -81,8 +92,11 @@ NO_ANSWER = (
     HTTPError,
     ConnectionError,
     TimeoutError,
+    UnusableReply,
+    ResponseParserError,
 )
-"""What botocore and urllib3 raise when the server did not answer, or stopped mid-answer."""
+"""What botocore and urllib3 raise when the server did not answer, or stopped mid-answer, and
+what an answer that cannot be used raises."""
 
 WHAT_NEXT: dict[type[WeightcastError], str] = {
     StoreAccessDenied: "check the bucket name and the credentials (AWS_ACCESS_KEY_ID, "
@@ -102,7 +116,7 @@ def store_error(exc: BaseException, what: str) -> WeightcastError | None:
         code = str(error.get("Code", ""))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
         kind = S3_REPLIES.get(code) or HTTP_STATUSES.get(status)
-        if kind is None and status >= 500:
+        if kind is None and (status >= 500 or 300 <= status < 400):
             kind = StoreUnavailable
         if kind is None:
             kind = WeightsError

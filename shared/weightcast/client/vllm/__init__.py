@@ -10,13 +10,15 @@ verify and read its own rank's part of a published version, and load it:
   the name ``weightcast`` (vLLM runs it in every process it starts).
 * :mod:`.backend`: the backend itself; imports vLLM, so it only loads inside vLLM workers.
 * :mod:`.protocol`: what ``init_info`` and ``update_info`` carry (plain JSON).
-* :mod:`.staging`: lease, verify and read one rank's part of a version (weightcast's client).
+* :mod:`.staging`: each rank's reader, kept for the engine's life: lease, verify and read
+  the rank's part of a version (weightcast's client).
 * :mod:`.placement`: where vLLM's own loaders expect that part (pure functions).
 * :mod:`.inplace`: the ``inplace`` load: parts copied into live parameters through pinned
   staging (tensors only; tested on tensors shaped like vLLM's parameters).
-* :mod:`.driver`: the update sequence (pause, start, update, finish, version, resume) for a
-  ``vllm serve`` over HTTP and for an ``LLM`` in this process, and the node loop behind
-  ``weightcast follow --vllm-url``.
+* :mod:`.engine`: the update sequence (pause, start, update, finish, version, resume),
+  :func:`~.engine.swap`, for any engine: ``vllm serve`` over HTTP (:mod:`.server`) or an
+  ``LLM`` in this process (:mod:`.local_engine`).
+* :mod:`.server_node`: the node loop behind ``weightcast follow --vllm-url``.
 
 Only :mod:`.backend` and :mod:`.plugin` import vLLM (lazily for the plugin); the rest runs
 in the core install, without vLLM.

@@ -41,7 +41,7 @@ Three vLLM 0.32 bugs shape this:
 from __future__ import annotations
 
 import time
-from pathlib import Path
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -52,15 +52,15 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
-from weightcast.client.reader import VersionReader
 from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.client.vllm.placement import hf_tensors, packed_name
-from weightcast.client.vllm.protocol import REFUSED, InitInfo, Source, UpdateInfo, resolve
-from weightcast.client.vllm.staging import StagedVersion, stage
+from weightcast.client.vllm.protocol import REFUSED, InitInfo, ResolvedLocation, UpdateInfo, resolve
+from weightcast.client.vllm.staging import RankReader, StagedVersion
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.layout import LAYOUT_HF
 from weightcast.contract.model_shape import ModelShape, check_shapes
 from weightcast.contract.sharding import ShardKind
+from weightcast.runtime.config import Config
 from weightcast.runtime.settings import load_config
 
 log = init_logger("vllm.weightcast")  # under vLLM's logger, so it shows in vLLM's log
@@ -92,9 +92,9 @@ class WeightcastWeightTransferEngine(
         self.copier = InPlaceCopier()  # its pinned staging is allocated once, on first use
         self.last_report: dict[str, Any] = {}
         """What the last update did (or why it failed), for :func:`report`."""
-        self._files: VersionReader | None = None
-        """This rank's reader, kept across updates with its host base (``keep_base``)."""
-        self._files_at: tuple[Path, Path] | None = None
+        self._reader: RankReader | None = None
+        """This rank's reader (Redis, store, host base), kept across updates; closed by
+        :meth:`shutdown`, or when an update names another source."""
 
     def init_transfer_engine(self, init_info: WeightcastInitInfo) -> None:
         self.defaults = init_info
@@ -106,7 +106,10 @@ class WeightcastWeightTransferEngine(
         """Nothing to finish: ``update_weights`` left the model whole."""
 
     def shutdown(self) -> None:
-        """No connection to release: every update opens and closes its own."""
+        """Close this rank's reader: its Redis connection, store and host base."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one whole version; parsing is part of the guarded stage, so a bad payload is
@@ -173,24 +176,25 @@ class WeightcastWeightTransferEngine(
     def _stage(self, info: WeightcastUpdateInfo, rank: int, tp: int) -> StagedVersion:
         if self.parallel_config.pipeline_parallel_size > 1:
             raise WeightsError("the weightcast backend does not support pipeline parallelism")
-        source = resolve(info, self.defaults, load_config())
-        staged = stage(
-            source, info.version, rank, tp, self._shape(), self._reader(source), self._ep(tp)
+        config = load_config()
+        source = resolve(info, self.defaults, config)
+        staged = self._rank_reader(source, rank, config).stage(
+            info.version, tp, self._shape, self._ep(tp)
         )
         self._check_fits(staged, rank, tp)
         return staged
 
-    def _reader(self, source: Source) -> VersionReader | None:
-        """The reader that keeps this rank's base between updates (None: ``keep_base`` off;
-        a new one when the weights root or record directory changed). Both modes rebuild the
-        rank's part on the host from it and then load it as usual."""
-        if not self.defaults.keep_base:
-            return None
-        where = (source.weights_root, source.verified_dir)
-        if self._files is None or self._files_at != where:
-            self._files = VersionReader(source.weights_root, source.verified_dir, keep_base=True)
-            self._files_at = where
-        return self._files
+    def _rank_reader(self, source: ResolvedLocation, rank: int, config: Config) -> RankReader:
+        """The reader kept for this rank; a new one (the old one closed, its base dropped)
+        when an update names another source or ``keep_base`` changed."""
+        keep_base = self.defaults.keep_base
+        reader = self._reader
+        if reader is None or not reader.serves(source, rank, keep_base):
+            if reader is not None:
+                reader.close()
+            self._reader = None
+            reader = self._reader = RankReader(source, rank, keep_base, config)
+        return reader
 
     def _ep(self, tp: int) -> int:
         """The engine's expert parallelism: over every tp rank, or none."""
@@ -204,7 +208,9 @@ class WeightcastWeightTransferEngine(
             )
         return tp
 
+    @cached_property
     def _shape(self) -> ModelShape:
+        """The engine's model, from the HF config vLLM loaded once at start."""
         return ModelShape.from_hf_config(self.model_config.hf_config.to_dict())
 
     def _checkpoint_params(self) -> dict[str, torch.Tensor]:
@@ -251,7 +257,7 @@ class WeightcastWeightTransferEngine(
         expected = self._checkpoint_params()
         what = f"version {staged.version}"
         if staged.layout == LAYOUT_HF:
-            check_shapes({p.name: p.tensor.shape for p in staged.parts}, self._shape())
+            check_shapes({p.name: p.tensor.shape for p in staged.parts}, self._shape)
         covered = set()
         for part in staged.parts:
             name = packed_name(part.name) if staged.layout == LAYOUT_HF else part.name
@@ -316,7 +322,7 @@ class WeightcastWeightTransferEngine(
 
         initialize_layerwise_reload(self.model)
         try:
-            loaded = self.model.load_weights(hf_tensors(staged.parts, self._shape(), rank, tp))
+            loaded = self.model.load_weights(hf_tensors(staged.parts, self._shape, rank, tp))
         finally:
             # Always: restores the old tensors of every module nothing was loaded into,
             # processes what was loaded, unwraps the loaders.

@@ -84,7 +84,7 @@ class UpdateInfo(Location):
 
 
 @dataclass(frozen=True)
-class Source:
+class ResolvedLocation:
     """A :class:`Location` with every field decided."""
 
     redis_url: str
@@ -102,7 +102,7 @@ def default_verified_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"weightcast-{os.getuid()}-verified"
 
 
-def resolve(update: UpdateInfo, init: InitInfo, config: Config) -> Source:
+def resolve(update: UpdateInfo, init: InitInfo, config: Config) -> ResolvedLocation:
     """The update's own fields, else the init info's, else weightcast's settings."""
 
     def pick(name: str, fallback: str) -> str:
@@ -111,7 +111,7 @@ def resolve(update: UpdateInfo, init: InitInfo, config: Config) -> Source:
                 return given
         return fallback
 
-    return Source(
+    return ResolvedLocation(
         redis_url=pick("redis_url", config.common.redis_url),
         namespace=pick("namespace", config.common.namespace),
         weights_root=pick("weights_root", config.common.weights_location()),

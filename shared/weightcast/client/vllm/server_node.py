@@ -10,7 +10,6 @@ initialised again and brought to the newest version.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from weightcast.client.weights import VersionGone, WeightsClient
 from weightcast.contract.errors import ConfigError
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
+from weightcast.runtime.stop import Stop
 
 log = get_logger("vllm")
 
@@ -101,7 +101,7 @@ class ServerNode:
         """The version served (what ``/healthz`` and ``follow.until_version`` look at)."""
         return self.served
 
-    def step(self, timeout: float, stop: threading.Event | None = None) -> None:
+    def step(self, timeout: float, stop: Stop | None = None) -> None:
         """Check the server, load the newest version if it is newer, report the node; else
         wait up to ``timeout`` seconds for a newer one (``stop`` ends the wait early)."""
         if not self.ready and not self.connect():
