@@ -26,7 +26,7 @@ from weightcast.contract.snapshot_format import CONFIG_NAME, read_complete
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
-from weightcast.store.s3 import PART_BYTES, S3Object, S3Store
+from weightcast.store.s3 import PART_BYTES, REPLY_BYTES, S3Object, S3Store
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
@@ -208,6 +208,21 @@ def test_an_object_replaced_while_a_node_reads_it_is_refused_not_mixed(
         with pytest.raises(WeightsError, match=r"PreconditionFailed|412"):
             f.read_at(0, 64)
     assert first != b"\0" * 64
+
+
+def test_an_object_larger_than_an_answer_may_be_opens_and_reads(
+    deployment: Deployment, s3_server: S3Server
+) -> None:
+    """A HEAD's Content-Length is the object's size, with no body: an object over
+    ``REPLY_BYTES`` (every real model's weights file) still opens (the real-size tier found
+    every bucket read of a 0.6B version refused: ``an answer of more than 4194304 bytes``)."""
+    deployment.publish()
+    data = bytes(range(256)) * ((REPLY_BYTES + 4096) // 256)
+    put(s3_server, deployment, "v1/large", data)
+    store = deployment.reader().files.store
+    assert isinstance(store, S3Store)
+    with store.open_version("v1") as version, version.open("large") as f:
+        assert (f.size, f.read_at(REPLY_BYTES, 256)) == (len(data), data[:256])
 
 
 @pytest.mark.parametrize("path", ["../run/v1", "/run/v1", "v1/../v1", "", "v1/", "a/./b"])

@@ -568,6 +568,9 @@ class BoundedSession:
             raise UnusableReply(f"Content-Length {length[:40]!r} is no size")
         if streamed and response.status_code < 300:
             return response
+        if request.method == "HEAD":  # no body: its Content-Length is the object's size
+            _drop(raw)
+            return AWSResponse(response.url, response.status_code, response.headers, _Read(b""))
         error = response.status_code >= 300
         cap = ERROR_BYTES if error else REPLY_BYTES
         if length is not None and int(length) > cap:
