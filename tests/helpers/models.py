@@ -59,6 +59,19 @@ def hf_state(shape: ModelShape, dtype: torch.dtype = torch.float32) -> dict[str,
     }
 
 
+def plausible_state(shape: ModelShape, seed: int) -> dict[str, torch.Tensor]:
+    """HF-named bf16 weights of a plausible scale (logits spread over a few nats): norms
+    near 1, everything else small."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def tensor(name: str, size: tuple[int, ...]) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return (1 + 0.1 * torch.randn(size, generator=gen)).to(torch.bfloat16)
+        return (torch.randn(size, generator=gen) * 0.05).to(torch.bfloat16)
+
+    return {name: tensor(name, size) for name, size in hf_tensor_shapes(shape).items()}
+
+
 def drift(state: dict[str, torch.Tensor], step: int, every: int = 50) -> None:
     """Move one bf16 value in ``every`` of each tensor to its neighbour, in place: what a
     small RL step does to a bf16 snapshot (most bytes stay; a delta is small)."""

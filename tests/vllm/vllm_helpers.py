@@ -22,14 +22,14 @@ from typing import Any
 
 import redis
 import torch
-from safetensors.torch import save_file
 
 from weightcast.client.vllm.local_engine import LocalEngine
 from weightcast.contract.keys import Keys
-from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
+from weightcast.contract.model_shape import SHAPES, ModelShape
 from weightcast.runtime.settings import load_config
 from weightcast_publisher.daemon import Publisher
 
+from helpers.models import plausible_state
 from helpers.processes import with_test_modules
 from helpers.snapshots import write_snapshot
 
@@ -55,17 +55,8 @@ FP8_MODEL = replace(
 
 
 def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """HF-named bf16 weights of a plausible scale (logits spread over a few nats): norms
-    near 1, everything else small."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def tensor(name: str, size: tuple[int, ...]) -> torch.Tensor:
-        if name.endswith("norm.weight"):
-            return (1 + 0.1 * torch.randn(size, generator=gen)).to(torch.bfloat16)
-        return (torch.randn(size, generator=gen) * 0.05).to(torch.bfloat16)
-
-    shapes = hf_tensor_shapes(ModelShape.from_hf_config(config))
-    return {name: tensor(name, size) for name, size in shapes.items()}
+    """:func:`helpers.models.plausible_state` of the model ``config`` describes."""
+    return plausible_state(ModelShape.from_hf_config(config), seed)
 
 
 EXPERTS, MOE_INTER, HIDDEN = 8, 128, 64
@@ -102,14 +93,6 @@ def moe_checkpoint(path: Path, experts: int = EXPERTS, seed: int = 0) -> Path:
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     model.save_pretrained(path)
-    return path
-
-
-def write_hf_dir(path: Path, config: Mapping[str, Any], state: dict[str, torch.Tensor]) -> Path:
-    """A plain HF model directory (what a vLLM server starts from before any version)."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
