@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import DEFAULT_DIGEST, Manifest, new_hasher
 from weightcast.contract.model_shape import SHAPES
+from weightcast.contract.snapshot_format import snapshot_name
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.s3_server import S3Server
 
@@ -111,6 +113,9 @@ def publish_versions(deployment: Deployment, hf_root: Path | None = None) -> Rea
             drift(state, step, MOVED_EVERY)
         version = deployment.publish(state)
         assert version == step
+        # Published: the snapshot's 1.2 GB are not read again (the next delta's base is the
+        # version); the tier holds a copy of each version in three places already.
+        shutil.rmtree(deployment.root / "checkpoints" / snapshot_name(step))
         digests[version] = fused_digests(state)
         if hf_root is not None and version in SERVED:
             hf_dirs[version] = hf_root / f"v{version}"
@@ -152,7 +157,7 @@ def published(
 ) -> Iterator[RealSizeVersions]:
     """:func:`publish_versions` into a new bucket of ``s3_server`` (and ``root/weights``),
     with the server's client environment set meanwhile (readers in this process and the
-    processes it starts use it)."""
+    processes it starts use it); its objects and ``root`` are removed at the end."""
     bucket = unique_bucket()
     s3_server.create_bucket(bucket)
     client = redis.Redis.from_url(redis_url)
@@ -167,4 +172,10 @@ def published(
             yield publish_versions(deployment, hf_root)
         finally:
             deployment.publisher.lock.release()
+            remote = deployment.publisher.remote
+            if remote is not None:  # the tier's 7 GB of objects, and of files, not kept
+                for name in remote.version_names():
+                    remote.remove_version(name)
+            deployment.publisher.close()
+            shutil.rmtree(root, ignore_errors=True)
             client.close()
