@@ -35,11 +35,14 @@ def test_a_node_walks_the_versions_and_holds_each_bitwise(
     try:
         for step in WALK:
             if step.via == REFUSED:
-                before = node.files.base
+                # Its delta fails, then its full read: the reader let go of its base before
+                # that read (one version in memory, not two), and the tensors the node holds
+                # are still bitwise the version it served.
+                served = node.files.base.version
                 with pytest.raises(WeightsError, match="digest"):
                     node.load(step.version)
-                assert node.files.base is before
-                assert digests(held) == realsize.digests[before.version], step
+                assert node.files.base is None
+                assert digests(held) == realsize.digests[served], step
                 continue
             held = node.load(step.version)
             stats = node.files.stats
