@@ -3,7 +3,7 @@
 For each tp T, a private redis-server, the real publisher daemon (``weightcast publisher
 --tp T``, a separate process) and one inference node: T worker processes, one per
 tensor-parallel rank as vLLM runs them, each doing what weightcast's vLLM backend does
-before it touches the model (:func:`weightcast.client.vllm.staging.stage`: lease the
+before it touches the model (:meth:`weightcast.client.vllm.staging.RankReader.stage`: lease the
 version, verify and read its rank's part through ``WeightsClient.rank_tensors``, the node's
 workers sharing one verification record), then copying the part to ``--device``
 (synchronized) and reporting the version in ``{wc}:nodes``. Each round, in this process, the
@@ -78,10 +78,10 @@ STAGES = ("snapshot", "publish", "node", "total", "floor_write", "floor_read", "
 
 def worker(args: argparse.Namespace) -> None:
     """One vLLM-like worker: rank ``args.rank`` of a tp ``args.node_tp`` node."""
-    from weightcast.client.reader import VersionReader
     from weightcast.client.vllm.protocol import ResolvedLocation
-    from weightcast.client.vllm.staging import stage
+    from weightcast.client.vllm.staging import RankReader
     from weightcast.client.weights import WeightsClient
+    from weightcast.runtime.settings import load_config
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     tp = args.node_tp
@@ -94,11 +94,12 @@ def worker(args: argparse.Namespace) -> None:
     client = WeightsClient(
         args.redis_url, args.weights_dir, namespace=args.namespace, node_id=reporter
     )
-    # A delta node keeps its rank's base across versions, as the vLLM backend's reader does.
-    files = VersionReader(args.weights_dir, args.verified_dir, True) if args.keep_base else None
+    # The rank's reader, kept across versions as the vLLM backend keeps it (with its base for
+    # a delta node).
+    reader = RankReader(source, args.rank, args.keep_base, load_config(env={}))
     version = 0
     while (newer := client.wait_for_newer(version, timeout=3600)) is not None:
-        staged = stage(source, newer, args.rank, tp, shape, files)
+        staged = reader.stage(newer, tp, shape)
         on_device = [p.tensor.to(args.device, non_blocking=True) for p in staged.parts]
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()

@@ -34,7 +34,7 @@ from vllm_ranks import backend, build, join_group
 
 from weightcast.client.vllm.placement import hf_tensors
 from weightcast.client.vllm.protocol import resolve
-from weightcast.client.vllm.staging import stage
+from weightcast.client.vllm.staging import RankReader
 from weightcast.runtime.settings import load_config
 
 
@@ -171,10 +171,15 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
         for key, version in versions.items():
             engine = backend(config, model, location)
             info = engine.parse_update_info({"version": version})
-            source = resolve(info, engine.defaults, load_config())
+            settings = load_config()
+            source = resolve(info, engine.defaults, settings)
             # the backend's staging (lease, verified per-rank reads), without its check of
             # the parts against vLLM's layerwise metadata, which recorded the bf16 parameters
-            staged = stage(source, version, rank, tp, engine._shape(), None, tp if ep else 1)
+            reader = RankReader(source, rank, keep_base=False, config=settings)
+            try:
+                staged = reader.stage(version, tp, engine._shape, tp if ep else 1)
+            finally:
+                reader.close()
             if key != "hf":  # the hf layout's parts are whole HF tensors
                 result["parts"][key] = against_truth(staged.parts, truth)
             # What the backend's layerwise mode feeds stock load_weights (its placement of
@@ -182,7 +187,7 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
             fresh_config, fresh = build(model_dir, tp, ep)
             fp8_parameters(fresh)
             with set_current_vllm_config(fresh_config):
-                fresh.load_weights(hf_tensors(staged.parts, engine._shape(), rank, tp))
+                fresh.load_weights(hf_tensors(staged.parts, engine._shape, rank, tp))
             differing = sorted(
                 n for n, p in fresh.named_parameters() if not torch.equal(bits(p), bits(truth[n]))
             )
