@@ -280,6 +280,10 @@ def main(rank: int, tp: int, port: int, spec_path: str, out_dir: str) -> None:
 
         # Layerwise into a model processed as a CPU engine processes it.
         process_like_cpu_engine(config, truth_model)
+        # A CPU with oneDNN's kernels repacks each linear weight away (shape [0]); one without
+        # (AVX2 alone) keeps torch's linear and the weight: the reload must leave either as is.
+        processed = list(truth_model.model.layers[0].self_attn.qkv_proj.weight.shape)
+        result["processed_qkv_shape"] = processed
         want = probe(config, truth_model)
         result["layerwise"] = {}
         for key in ("fused", "per_rank", "hf"):
