@@ -183,9 +183,9 @@ class S3Store(RemoteStore):
             try:
                 DEADLINE.at = time.monotonic() + self.request_seconds
                 return fn()
-            except WeightcastError:
-                raise
             except Exception as exc:
+                if isinstance(exc, WeightcastError) and not isinstance(exc, UnusableReply):
+                    raise  # already typed: a refusal, or the version's own fault
                 error = store_error(exc, f"{self.label}: {what}")
                 if error is None:
                     raise

@@ -36,10 +36,12 @@ from weightcast.contract.errors import (
 )
 
 
-class UnusableReply(Exception):
+class UnusableReply(WeightcastError):
     """An answer of the store's that cannot be used as it came: a size missing, negative or
     no number, a body longer than its cap or nested past reason, shorter or longer than it
-    said, later than the request's deadline, a listing that goes round in circles."""
+    said, later than the request's deadline, a listing that goes round in circles. Raised
+    below :meth:`~weightcast.store.s3.S3Store.call`, which turns it, like botocore's own
+    errors, into a :class:`StoreUnavailable` retried within the budget."""
 
 
 S3_REPLIES: dict[str, type[WeightcastError]] = {
