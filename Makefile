@@ -55,11 +55,11 @@ test-docker: setup
 test-vllm: setup vllm-setup
 	$(VLLM_BIN)/pytest tests/vllm -m "not realsize"
 
-# Every node path at Qwen3-0.6B's real shape (tests/realsize with .venv, tests/vllm/realsize
-# with .venv-vllm): 1.2 GB versions through the real publisher, a bucket and the nodes.
+# Every node path at Qwen3-0.6B's real shape: 1.2 GB versions through the real publisher, a
+# bucket and the nodes. One session of .venv-vllm's pytest (tests/realsize's nodes need no
+# vLLM, but share the versions it publishes once with tests/vllm/realsize).
 test-realsize: setup vllm-setup
-	$(BIN)/pytest tests/realsize
-	$(VLLM_BIN)/pytest tests/vllm/realsize
+	$(VLLM_BIN)/pytest tests/realsize tests/vllm/realsize
 
 vllm-setup: $(VLLM_VENV)/.installed
 

@@ -25,6 +25,7 @@ from weightcast.local.s3_server import S3Server
 from weightcast_trainer.device import use_cpu_without_accelerator
 
 from helpers.processes import run_env
+from helpers.realsize import RealSizeVersions, published
 from helpers.s3 import unique_bucket
 
 use_cpu_without_accelerator()  # before any test module imports torchtitan
@@ -102,6 +103,19 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     (``s3_bucket``). Tests that kill or fill a server take ``private_s3_server``."""
     with S3Server(tmp_path_factory.mktemp("s3")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def realsize(
+    redis_server: RedisServer, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealSizeVersions]:
+    """The real-size tier's 0.6B versions (``helpers.realsize``) in a bucket and the
+    publisher's weights directory, each served one also as an HF directory (fresh vLLM
+    engines start from them): published once for ``tests/realsize`` and
+    ``tests/vllm/realsize``, which ``make test-realsize`` runs in one session."""
+    root = tmp_path_factory.mktemp("realsize")
+    with published(redis_server.url, s3_server, root, root / "hf") as versions:
+        yield versions
 
 
 @pytest.fixture

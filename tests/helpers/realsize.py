@@ -7,11 +7,16 @@ weights directory keeps them too, so directory nodes read the same versions), ea
 (``keep``), and every delta is kept (``delta_behind`` wait: two loaded cores encode a 0.6B delta
 slower than the disk writes it, and the publisher would otherwise drop them all). Version 5
 is then corrupted in both places: a byte of its weights file and of its delta.
+
+The tp 2 and FP8 engines walk :data:`WIDE` instead: the same widths and vocabulary in two
+layers, whose largest tensor still spans many ranged GETs and staging windows; at 28 layers
+each of their fresh references would be another 0.6B engine (five per walk).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shutil
 from collections.abc import Iterator
@@ -27,7 +32,7 @@ from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE
 from weightcast.contract.manifest import DEFAULT_DIGEST, Manifest, new_hasher
-from weightcast.contract.model_shape import SHAPES
+from weightcast.contract.model_shape import SHAPES, ModelShape
 from weightcast.contract.snapshot_format import snapshot_name
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.s3_server import S3Server
@@ -37,6 +42,10 @@ from helpers.s3 import store_settings, unique_bucket
 from helpers.versions import Deployment
 
 SHAPE = SHAPES["0.6B"]
+WIDE = dataclasses.replace(SHAPE, num_layers=2)
+"""0.6B's widths and vocabulary in 2 of its 28 layers (0.35 GB in bf16): its largest tensor,
+the tied 311 MB embedding (155 MB a rank at tp 2), is 19 ranged GETs and several staging
+windows, as at 0.6B."""
 VERSIONS = 6
 CORRUPT = 5
 MOVED_EVERY = 33
@@ -76,13 +85,19 @@ class RealSizeVersions:
 
     deployment: Deployment
     digests: dict[int, dict[str, str]]
-    """Each version's fused tensors at tp 1, by name: their digests (``bytes_digest``)."""
+    """Each version's fused tensors at tp 1, by name: their digests (``bytes_digest``; bf16
+    versions at tp 1 only)."""
     hf_dirs: dict[int, Path]
-    """An HF model directory of each version in :data:`SERVED`, when asked for."""
+    """An HF model directory of each version in :data:`SERVED`: the one written beside the
+    versions when asked for, else the version's own ``hf/`` layout (``layout = both``)."""
 
     @property
     def directory(self) -> Path:
         return self.deployment.root / "weights"
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.deployment.shape
 
     def info(self, version: int) -> VersionInfo:
         fields = self.deployment.client.hgetall(self.deployment.keys.version(version))
@@ -95,33 +110,41 @@ def bytes_digest(tensor: torch.Tensor) -> str:
     return hasher.hexdigest()
 
 
-def fused_digests(state: dict[str, torch.Tensor]) -> dict[str, str]:
+def fused_digests(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, str]:
     """The digest of each tensor a tp-1 node holds of ``state`` (vLLM's fused tensors)."""
     rows = {name: t.shape[0] for name, t in state.items()}
-    return {t.name: bytes_digest(assemble(t, state)) for t in plan_vllm_fused(rows, SHAPE, 1)}
+    return {t.name: bytes_digest(assemble(t, state)) for t in plan_vllm_fused(rows, shape, 1)}
 
 
 def publish_versions(deployment: Deployment, hf_root: Path | None = None) -> RealSizeVersions:
-    """:data:`VERSIONS` versions through ``deployment`` (settings :data:`PUBLISHER`), each
-    with its delta from the one before; then version :data:`CORRUPT` corrupted. With
-    ``hf_root``, an HF directory of each served version there (fresh engines start from it)."""
-    state = plausible_state(SHAPE, seed=1)
-    config = SHAPE.to_hf_config()
+    """:data:`VERSIONS` versions of ``deployment.shape`` through ``deployment``, each with its
+    delta from the one before; then version :data:`CORRUPT` corrupted. With ``hf_root``, an
+    HF directory of each served version there (fresh engines start from it)."""
+    shape = deployment.shape
+    state = plausible_state(shape, seed=1)
+    config = shape.to_hf_config()
+    settings = deployment.publisher_settings
+    plain = settings.tp == 1 and settings.quantize == "none"
     digests, hf_dirs = {}, {}
     for step in range(1, VERSIONS + 1):
         if step > 1:
             drift(state, step, MOVED_EVERY)
         version = deployment.publish(state)
         assert version == step
-        # Published: the snapshot's 1.2 GB are not read again (the next delta's base is the
-        # version); the tier holds a copy of each version in three places already.
+        # Published: the snapshot is not read again (the next delta's base is the version);
+        # the tier holds a copy of each version in three places already.
         shutil.rmtree(deployment.root / "checkpoints" / snapshot_name(step))
-        digests[version] = fused_digests(state)
-        if hf_root is not None and version in SERVED:
-            hf_dirs[version] = hf_root / f"v{version}"
-            hf_dirs[version].mkdir(parents=True)
-            (hf_dirs[version] / "config.json").write_text(json.dumps(config))
-            save_file(state, str(hf_dirs[version] / "model.safetensors"), {"format": "pt"})
+        if plain:
+            digests[version] = fused_digests(state, shape)
+        if version not in SERVED:
+            continue
+        if hf_root is None:
+            hf_dirs[version] = deployment.root / "weights" / f"v{version}" / "hf"
+            continue
+        hf_dirs[version] = hf_root / f"v{version}"
+        hf_dirs[version].mkdir(parents=True)
+        (hf_dirs[version] / "config.json").write_text(json.dumps(config))
+        save_file(state, str(hf_dirs[version] / "model.safetensors"), {"format": "pt"})
     versions = RealSizeVersions(deployment, digests, hf_dirs)
     for version in range(2, VERSIONS + 1):
         info = versions.info(version)
@@ -131,15 +154,24 @@ def publish_versions(deployment: Deployment, hf_root: Path | None = None) -> Rea
 
 
 def corrupt(versions: RealSizeVersions, version: int) -> None:
-    """Flip a byte in the middle of ``version``'s weights file and of its delta's first
-    frame, in the weights directory and (re-uploaded) in the bucket."""
+    """Flip a byte of one changed block of ``version``'s weights file, in that block and in
+    its delta frame, in the weights directory and (re-uploaded) in the bucket: whichever
+    rank reads the block, by delta or in full, meets the flipped byte (a rank reads only
+    the blocks of its part: bytes no rank reads may be corrupt without harm)."""
     directory = versions.directory / f"v{version}"
     manifest = Manifest.read(directory)
     assert manifest.delta is not None
-    offset, length = next(f for f in manifest.delta.frames(FUSED_WEIGHTS_FILE) if f[1])
-    weights = directory / FUSED_WEIGHTS_FILE
-    places = {weights: weights.stat().st_size // 2, directory / manifest.delta.file: offset}
-    places[directory / manifest.delta.file] += length // 2
+    frames = manifest.delta.frames(FUSED_WEIGHTS_FILE)
+    changed = [i for i, (_, length) in enumerate(frames) if length]
+    block = changed[len(changed) // 2]  # inside a large tensor, away from the header
+    (entry,) = (f for f in manifest.files if f.name == FUSED_WEIGHTS_FILE)
+    assert entry.blocks is not None
+    start, stop = entry.blocks.span(block, entry.bytes)
+    offset, length = frames[block]
+    places = {
+        directory / FUSED_WEIGHTS_FILE: (start + stop) // 2,
+        directory / manifest.delta.file: offset + length // 2,
+    }
     remote = versions.deployment.publisher.remote
     for path, at in places.items():
         with open(path, "r+b") as f:
@@ -153,11 +185,18 @@ def corrupt(versions: RealSizeVersions, version: int) -> None:
 
 @contextlib.contextmanager
 def published(
-    redis_url: str, s3_server: S3Server, root: Path, hf_root: Path | None = None
+    redis_url: str,
+    s3_server: S3Server,
+    root: Path,
+    hf_root: Path | None = None,
+    shape: ModelShape = SHAPE,
+    **publisher: object,
 ) -> Iterator[RealSizeVersions]:
-    """:func:`publish_versions` into a new bucket of ``s3_server`` (and ``root/weights``),
-    with the server's client environment set meanwhile (readers in this process and the
-    processes it starts use it); its objects and ``root`` are removed at the end."""
+    """:func:`publish_versions` of ``shape`` into a new bucket of ``s3_server`` (and
+    ``root/weights``), under a namespace of their own, with the server's client environment
+    set meanwhile (readers in this process and the processes it starts use it); its objects
+    and ``root`` are removed at the end. ``publisher``: ``publisher.*`` settings beside
+    :data:`PUBLISHER` (``tp=2``, ``quantize="fp8"``)."""
     bucket = unique_bucket()
     s3_server.create_bucket(bucket)
     client = redis.Redis.from_url(redis_url)
@@ -166,7 +205,13 @@ def published(
             env.setenv(name, value)
         store = store_settings(s3_server, bucket)
         deployment = Deployment(
-            client, Keys("realsize"), root, redis_url, shape=SHAPE, store=store, **PUBLISHER
+            client,
+            Keys(f"realsize-{bucket}"),
+            root,
+            redis_url,
+            shape=shape,
+            store=store,
+            **{**PUBLISHER, **publisher},
         )
         try:
             yield publish_versions(deployment, hf_root)

@@ -73,6 +73,8 @@ class Deployment:
         self.location = config.common.weights_location()
         """Where nodes read the versions: the weights directory, or the bucket's URL."""
         self.store_retry_seconds = config.common.store_retry_seconds
+        self.common = config.common
+        self.publisher_settings = config.publisher
         self.publisher = Publisher(config)
         self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
         self.step = 0

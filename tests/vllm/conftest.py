@@ -26,10 +26,8 @@ from weightcast.client.vllm.protocol import REFUSED
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import MANIFEST_NAME, sha256_bytes
 from weightcast.local.redis_server import RedisServer
-from weightcast.local.s3_server import S3Server
 
 from helpers.processes import with_test_modules
-from helpers.realsize import RealSizeVersions, published
 from vllm_helpers import ODD_VOCAB, TINY, Registry, greedy, random_state
 
 HERE = Path(__file__).resolve().parent
@@ -133,17 +131,6 @@ def odd(registry: Registry) -> Versions:
     number["C-rank1-corrupt"] = registry.publish(ODD_VOCAB, states["C"], tp=2, per_rank_files=True)
     flip_byte(registry.versions[number["C-rank1-corrupt"]] / fused_rank_file(1, 2))
     return Versions(registry, number, states)
-
-
-@pytest.fixture(scope="session")
-def realsize(
-    redis_server: RedisServer, s3_server: S3Server, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RealSizeVersions]:
-    """The real-size versions (``tests/vllm/realsize``) in a bucket and the publisher's weights
-    directory, each served one also as an HF directory (fresh engines start from them)."""
-    root = tmp_path_factory.mktemp("realsize")
-    with published(redis_server.url, s3_server, root, root / "hf") as versions:
-        yield versions
 
 
 @pytest.fixture(scope="session")
