@@ -1,8 +1,10 @@
 """A CPU ``vllm.LLM`` with the weightcast backend walks the 0.6B versions (``helpers.realsize``)
-from a bucket: each update through ranged GETs and staging windows of 1.2 GB versions, by
-full read, delta and chain, a corrupt version refused with the engine still serving the
-one before, and back to an older version. After every update the engine generates what a
-fresh stock engine started from that version generates."""
+from a bucket, then from the weights directory: each update through ranged GETs (or file
+reads) and staging windows of 1.2 GB versions, by full read, delta and chain, a corrupt
+version refused with the engine still serving the one before, and back to an older version.
+After every update the engine generates what a fresh stock engine started from that version
+generates. One engine walks both ways (a 0.6B engine is a minute to start here): initialised
+anew to the directory, its backend reads through a new reader with no base."""
 
 from __future__ import annotations
 
@@ -11,58 +13,30 @@ from typing import Any
 
 import pytest
 
-from weightcast.client.vllm.engine import EngineError, swap
 from weightcast.client.vllm.local_engine import LocalEngine
-from weightcast.client.vllm.protocol import REFUSED as REFUSED_REPLY
 
-from helpers.realsize import REFUSED, SERVED, WALK, RealSizeVersions
-from vllm_helpers import Registry, backend_engine, greedy
-
-
-def walk(engine: LocalEngine, versions: RealSizeVersions, fresh: dict[int, Any]) -> None:
-    """Take ``engine`` through :data:`helpers.realsize.WALK`; ``fresh``: each served version's
-    fresh-engine outputs."""
-    from weightcast.client.vllm.backend import report
-
-    held = 0
-    for step in WALK:
-        if step.via == REFUSED:
-            with pytest.raises(EngineError, match=REFUSED_REPLY):
-                swap(engine, step.version)
-        else:
-            swap(engine, step.version)
-            held = step.version
-            reports = engine.llm.collective_rpc(report)
-            assert {(r["version"], r["via"]) for r in reports} == {(held, step.via)}, step
-        assert engine.weight_version() == str(held)
-        assert greedy(engine.llm) == fresh[held], step
-
-
-def registry_of(versions: RealSizeVersions) -> Registry:
-    """The registry of the versions, as the engine helpers take it."""
-    deployment = versions.deployment
-    return Registry(deployment.redis_url, deployment.keys.namespace, deployment.root)
+from helpers.realsize import RealSizeVersions
+from vllm_helpers import backend_engine
+from walks import FreshOutputs, fresh_of, point_at, registry_of, walk
 
 
 @pytest.fixture(scope="module")
-def fresh_tp1(realsize: RealSizeVersions, fresh_outputs: Any) -> dict[int, Any]:
+def fresh_tp1(realsize: RealSizeVersions, fresh_outputs: FreshOutputs) -> dict[int, Any]:
     """Before any engine of this module starts: two 0.6B engines at once are memory."""
-    by_dir = fresh_outputs(1, [realsize.hf_dirs[v] for v in SERVED])
-    return {v: by_dir[realsize.hf_dirs[v]] for v in SERVED}
+    return fresh_of(realsize, fresh_outputs, 1)
 
 
 @pytest.fixture(scope="module")
-def bucket_engine(realsize: RealSizeVersions, fresh_tp1: dict[int, Any]) -> Iterator[LocalEngine]:
-    with backend_engine(
-        realsize.hf_dirs[1],
-        registry_of(realsize),
-        "realsize-bucket",
-        weights_root=realsize.deployment.location,
-    ) as engine:
+def engine(realsize: RealSizeVersions, fresh_tp1: dict[int, Any]) -> Iterator[LocalEngine]:
+    with backend_engine(realsize.hf_dirs[1], registry_of(realsize), "realsize-tp1") as engine:
         yield engine
 
 
-def test_an_engine_on_a_bucket_walks_the_versions_and_equals_fresh_engines(
-    bucket_engine: LocalEngine, realsize: RealSizeVersions, fresh_tp1: dict[int, Any]
+@pytest.mark.parametrize("where", ["bucket", "directory"])
+def test_an_engine_walks_the_versions_and_equals_fresh_engines(
+    engine: LocalEngine, realsize: RealSizeVersions, fresh_tp1: dict[int, Any], where: str
 ) -> None:
-    walk(bucket_engine, realsize, fresh_tp1)
+    point_at(engine, realsize, f"realsize-tp1-{where}", where)
+    walk(engine, fresh_tp1)
+    deployment = realsize.deployment
+    assert all(deployment.client.zcard(deployment.keys.leases(v)) == 0 for v in fresh_tp1)
