@@ -11,12 +11,9 @@ finishes the job; a restarted server is brought back to the newest version.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,53 +26,19 @@ from conftest import Versions
 from helpers.files import REPO
 from helpers.models import checkpoint_tensors, save_pretrained_qwen3
 from helpers.processes import wait_for
-from vllm_helpers import TINY, Registry, Server
+from vllm_helpers import TINY, Follower, Registry, Server
 
 NODE = "serve-node"
 
 
-class Follower:
-    """``weightcast follow --vllm-url`` as a process; its log lines collected as they come.
-    ``stop_at`` SIGSTOPs it the moment a line matches (from the reading thread: no delay)."""
-
-    def __init__(self, registry: Registry, url: str) -> None:
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "WEIGHTCAST_REDIS_URL": registry.redis_url,
-            "WEIGHTCAST_NAMESPACE": registry.namespace,
-            "WEIGHTCAST_WEIGHTS_DIR": str(registry.weights_dir),
-        }
-        argv = [sys.executable, "-m", "weightcast", "follow", "--vllm-url", url]
-        argv += ["--node-id", NODE, "--poll-seconds", "0.5", "--lease-seconds", "3"]
-        self.process = subprocess.Popen(
-            [*argv, "--log-level", "DEBUG"],
-            env=env,
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.stop_at: re.Pattern[str] | None = None
-        self.stopped = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if self.stop_at and not self.stopped.is_set() and self.stop_at.search(line):
-                self.process.send_signal(signal.SIGSTOP)
-                self.stopped.set()
-            self.lines.append(line)
-
-    def log(self) -> str:
-        return "".join(self.lines)
-
-
-def served(server: Server) -> int:
-    label = server.call("GET", "/weight_info")["weight_version"]
-    return int(label) if label.isdigit() else 0
+def start_follower(registry: Registry, url: str) -> Follower:
+    """``weightcast follow --vllm-url`` of ``registry``'s versions (its weights directory)."""
+    env = {
+        "WEIGHTCAST_REDIS_URL": registry.redis_url,
+        "WEIGHTCAST_NAMESPACE": registry.namespace,
+        "WEIGHTCAST_WEIGHTS_DIR": str(registry.weights_dir),
+    }
+    return Follower(env, url, NODE)
 
 
 def node_record(registry: Registry) -> dict[str, Any]:
@@ -104,19 +67,19 @@ def test_follow_keeps_a_vllm_server_on_the_newest_version(
 ) -> None:
     by_dir = fresh_outputs(1, [tiny.hf_dir(name) for name in "ABC"])
     fresh = {name: by_dir[tiny.hf_dir(name)] for name in "ABC"}
-    assert server.greedy() == fresh["A"] and served(server) == 0
+    assert server.greedy() == fresh["A"] and server.served() == 0
     registry = Registry(redis_server.url, "serve", tmp_path)
     first = registry.publish(TINY, tiny.states["B"])
-    follower = Follower(registry, server.url)
+    follower = start_follower(registry, server.url)
     try:
-        wait_for(lambda: served(server) == first, 300, "the node to load the first version")
+        wait_for(lambda: server.served() == first, 300, "the node to load the first version")
         assert server.greedy() == fresh["B"]
         wait_for(lambda: registry.leases(first) == [NODE], 30, "only the node's lease")
         assert node_record(registry)["version"] == first
 
         # Each new version is served; the node's lease moves with it.
         second = registry.publish(TINY, tiny.states["C"], layout="both")
-        wait_for(lambda: served(server) == second, 120, "the second version")
+        wait_for(lambda: server.served() == second, 120, "the second version")
         assert server.greedy() == fresh["C"]
         wait_for(lambda: registry.leases(first) == [], 30, "the first version's lease to go")
         assert registry.leases(second) == [NODE]
@@ -128,7 +91,7 @@ def test_follow_keeps_a_vllm_server_on_the_newest_version(
         assert record["version"] == second
         assert f"v{refused} not loaded" in record["error"]
         assert "is fused for tp=2; this engine runs tp=1" in record["error"]
-        assert served(server) == second and not server.call("GET", "/is_paused")["is_paused"]
+        assert server.served() == second and not server.call("GET", "/is_paused")["is_paused"]
         assert server.greedy() == fresh["C"]
         where = ["--redis-url", registry.redis_url, "--namespace", registry.namespace]
         status = subprocess.run(
@@ -141,7 +104,7 @@ def test_follow_keeps_a_vllm_server_on_the_newest_version(
 
         # The node goes on following: the next good version loads, and clears the error.
         third = registry.publish(TINY, tiny.states["B"])
-        wait_for(lambda: served(server) == third, 120, "the version after the refused one")
+        wait_for(lambda: server.served() == third, 120, "the version after the refused one")
         assert server.greedy() == fresh["B"]
         wait_for(lambda: "error" not in node_record(registry), 30, "the error to clear")
 
@@ -157,9 +120,9 @@ def test_follow_keeps_a_vllm_server_on_the_newest_version(
         follower.process.wait(30)
 
     # The next node undoes the half-done update (session, pause) and serves the newest.
-    follower = Follower(registry, server.url)
+    follower = start_follower(registry, server.url)
     try:
-        wait_for(lambda: served(server) == fourth, 120, "a new node to finish the update")
+        wait_for(lambda: server.served() == fourth, 120, "a new node to finish the update")
         assert not server.call("GET", "/is_paused")["is_paused"]
         assert server.greedy() == fresh["A"]
         wait_for(lambda: registry.leases(fourth) == [NODE], 30, "the new node's lease")
@@ -170,7 +133,7 @@ def test_follow_keeps_a_vllm_server_on_the_newest_version(
         server.stop()
         server.start()
         server.wait_ready()
-        wait_for(lambda: served(server) == fourth, 300, "the restarted server to be brought back")
+        wait_for(lambda: server.served() == fourth, 300, "the restarted server to be brought back")
         assert server.greedy() == fresh["A"]
         assert "vllm server unavailable; waiting for it" in follower.log()
     finally:
@@ -201,10 +164,10 @@ def test_vllm_serve_of_a_users_checkpoint_is_moved_on_to_each_fused_version(
     try:
         server.wait_ready()
         assert server.greedy() == fresh[start]
-        follower = Follower(registry, server.url)
+        follower = start_follower(registry, server.url)
         for directory in trained:
             version = registry.publish(config, checkpoint_tensors(directory))
-            wait_for(lambda v=version: served(server) == v, 300, f"v{version} served")
+            wait_for(lambda v=version: server.served() == v, 300, f"v{version} served")
             assert server.greedy() == fresh[directory], directory.name
             assert node_record(registry)["version"] == version
     finally:

@@ -10,9 +10,12 @@ import contextlib
 import gc
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -29,6 +32,7 @@ from weightcast.contract.model_shape import SHAPES, ModelShape
 from weightcast.runtime.settings import load_config
 from weightcast_publisher.daemon import Publisher
 
+from helpers.files import REPO
 from helpers.models import plausible_state
 from helpers.processes import with_test_modules
 from helpers.snapshots import write_snapshot
@@ -376,6 +380,11 @@ class Server:
         with urllib.request.urlopen(request, timeout=300) as reply:
             return json.loads(reply.read())
 
+    def served(self) -> int:
+        """The weightcast version the server reports (``/weight_info``; 0: none of ours)."""
+        label = self.call("GET", "/weight_info")["weight_version"]
+        return int(label) if label.isdigit() else 0
+
     def greedy(self) -> list[dict[str, Any]]:
         """:func:`greedy` over HTTP (``/inference/v1/generate``)."""
         results = []
@@ -404,3 +413,36 @@ def worker_resources(worker: Any) -> dict[str, int]:
     from helpers.processes import process_resources
 
     return process_resources()
+
+
+class Follower:
+    """``weightcast follow --vllm-url`` as a process (``env``: its ``WEIGHTCAST_*`` settings);
+    its log lines collected as they come. ``stop_at`` SIGSTOPs it the moment a line matches
+    (from the reading thread: no delay)."""
+
+    def __init__(self, env: Mapping[str, str], url: str, node_id: str) -> None:
+        argv = [sys.executable, "-m", "weightcast", "follow", "--vllm-url", url]
+        argv += ["--node-id", node_id, "--poll-seconds", "0.5", "--lease-seconds", "3"]
+        self.process = subprocess.Popen(
+            [*argv, "--log-level", "DEBUG"],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            cwd=REPO,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+        self.stop_at: re.Pattern[str] | None = None
+        self.stopped = threading.Event()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            if self.stop_at and not self.stopped.is_set() and self.stop_at.search(line):
+                self.process.send_signal(signal.SIGSTOP)
+                self.stopped.set()
+            self.lines.append(line)
+
+    def log(self) -> str:
+        return "".join(self.lines)
