@@ -1,12 +1,14 @@
 """Peak memory and time of the publisher and of a node at real model sizes, with versions in
 a directory and in a bucket (issue 35).
 
-Per shape, two random bf16 snapshots are written once, tensor by tensor
-(``bench_publisher.write_template``; the 8B shape's 16 GB are never in memory at once), the
-second with 1% of the first's values moved one ulp (``bench_delta.nudged_copy``): a version of
-it has a small delta from one of the first. Then per store (``dir``: versions in the weights
-directory; ``s3``: in a bucket of a private SeaweedFS server, started per round) and round,
-on a private redis-server:
+Per shape, store (``dir``: versions in the weights directory; ``s3``: in a bucket of a
+private SeaweedFS server, started per round) and round, on a private redis-server, two random
+bf16 snapshots are used, written tensor by tensor (``bench_publisher.write_template``; the 8B
+shape's 16 GB are never in memory at once), the second with 1% of the first's values moved
+one ulp (``bench_delta.nudged_copy``): a version of it has a small delta from one of the
+first. A snapshot is on disk only while a step needs it (the first is written again, the
+same bytes, for v3), and v3 is published once v1 has been evicted: at most two snapshots and
+one version, or one snapshot and two versions, are on disk at once (48 GB at 8B).
 
 1. the real publisher daemon (``--keep 1``, deltas on) publishes the first snapshot as v1; a
    node process (``WeightsClient(keep_base=True).load``) reads v1 in full;
@@ -186,6 +188,18 @@ class Publisher:
         shutil.rmtree(checkpoints / f"step-{step}")
         return {"seconds": seconds, "peak_mb": peak_rss_mb(self.process.pid)}
 
+    def wait_evicted(self, version: int) -> None:
+        """Wait for the daemon's ``evicted`` event of ``version`` (it evicts at least every
+        ``--rescan-seconds``, once no reader leases it)."""
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            message = self.events.get_message(timeout=5)
+            if message is not None and message["type"] == "message":
+                event = json.loads(message["data"])
+                if event["event"] == "evicted" and event["version"] == version:
+                    return
+        raise SystemExit(f"version {version} was not evicted within 300 s")
+
     def stop(self) -> None:
         if self.process is not None:
             self.process.terminate()
@@ -200,15 +214,21 @@ class Publisher:
 
 
 def one_round(
-    store: str, templates: tuple[Path, Path], files: tuple[SnapshotFile, ...], need: float,
-    work: Path, server: RedisServer,
-) -> dict[str, dict]:  # fmt: skip
+    store: str, shape: ModelShape, need: float, work: Path, server: RedisServer
+) -> tuple[int, dict[str, dict]]:
     """The seven steps (:data:`STEPS`) once, in a fresh namespace, weights directory and
-    bucket; each step's figures."""
-    first, second = templates
+    bucket, writing the snapshots as they are needed; the version's bytes and each step's
+    figures."""
+    first, second = work / "s1", work / "s2"
     checkpoints, weights = work / "checkpoints", work / "weights"
     checkpoints.mkdir(parents=True)
     weights.mkdir()
+    start = time.perf_counter()
+    nbytes, files = write_template(first, shape, FORMAT_DCP_SAFETENSORS)
+    nudged_copy(first, second, CHANGED)
+    print(
+        f"  snapshots, {nbytes / 1e9:.2f} GB each, written in {time.perf_counter() - start:.0f} s"
+    )
     keys = Keys(f"mem-{uuid.uuid4().hex[:6]}")
     env = publisher_env(server.url, keys, checkpoints, weights)
     root = str(weights)
@@ -226,10 +246,12 @@ def one_round(
         stack.callback(publisher.close)
         rows["publisher start"] = {"seconds": 0.0, "peak_mb": publisher.start(delta=True)}
         rows["publish v1"] = publisher.publish(first, files, 1)
+        shutil.rmtree(first)
         wait_for_memory(need)
         node = Node(env, server.url, keys.namespace, root)
         rows["node full v1"] = node.load(1)
         rows["publish v2 (delta)"] = publisher.publish(second, files, 2)
+        shutil.rmtree(second)
         rows["node delta v1->v2"] = node.load(2)
         node.close()
         wait_for_memory(need)
@@ -237,11 +259,13 @@ def one_round(
         rows["node full v2"] = node.load(2)
         publisher.stop()
         publisher.start(delta=False)
+        publisher.wait_evicted(1)
+        write_template(first, shape, FORMAT_DCP_SAFETENSORS)
         rows["publish v3 (no delta)"] = publisher.publish(first, files, 3)
         rows["node full v2->v3"] = node.load(3)
         node.close()
     shutil.rmtree(work)
-    return rows
+    return nbytes, rows
 
 
 def main() -> None:
@@ -259,38 +283,37 @@ def main() -> None:
         with RedisServer(root / "redis") as server:
             for shape in args.shapes:
                 disk_check(SHAPES[shape], args.stores, root)
-                start = time.perf_counter()
-                nbytes, files = write_template(root / "s1", SHAPES[shape], FORMAT_DCP_SAFETENSORS)
-                nudged_copy(root / "s1", root / "s2", CHANGED)
-                seconds = time.perf_counter() - start
-                print(f"{shape}: {nbytes / 1e9:.2f} GB, written in {seconds:.0f} s")
                 for store in args.stores:
-                    rounds = []
+                    rounds, nbytes = [], 0
                     for number in range(args.rounds):
                         load = os.getloadavg()[0]
-                        rows = one_round(
-                            store, (root / "s1", root / "s2"), files, nbytes + 5 * 2**30,
-                            root / "work", server,
-                        )  # fmt: skip
+                        need = model_bytes(SHAPES[shape]) + 5 * 2**30
+                        nbytes, rows = one_round(store, SHAPES[shape], need, root / "work", server)
                         rounds.append(
                             rows | {"load": {"before": load, "after": os.getloadavg()[0]}}
                         )
-                        print(f"  {store} round {number + 1}: {json.dumps(rows)}", flush=True)
+                        print(
+                            f"  {shape} {store} round {number + 1}: {json.dumps(rows)}", flush=True
+                        )
                     results.append(summary(shape, store, nbytes, rounds))
-                shutil.rmtree(root / "s1")
-                shutil.rmtree(root / "s2")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 
 
+def model_bytes(shape: ModelShape) -> int:
+    """The shape's bf16 bytes."""
+    return 2 * sum(math.prod(size) for size in hf_tensor_shapes(shape).values())
+
+
 def disk_check(shape: ModelShape, stores: list[str], root: Path) -> None:
     """Refuse a shape whose files would not fit: the disk is shared, and a full one fails
-    everyone's work. Two snapshots and two versions at once; a bucket adds its two versions
-    and as much again (SeaweedFS reclaims deleted objects' space late)."""
-    nbytes = 2 * sum(math.prod(size) for size in hf_tensor_shapes(shape).values())
-    need = nbytes * (4 + (4 if "s3" in stores else 0)) + 2 * 2**30
+    everyone's work. Three models' bytes at once (two snapshots and a version, or a snapshot
+    and two versions); a bucket adds its versions and as much again (SeaweedFS reclaims
+    deleted objects' space late)."""
+    nbytes = model_bytes(shape)
+    need = nbytes * (3 + (4 if "s3" in stores else 0)) + 2 * 2**30
     free = shutil.disk_usage(root).free
     if free < need:
         raise SystemExit(f"{free / 1e9:.0f} GB free, {need / 1e9:.0f} GB wanted: not run")
