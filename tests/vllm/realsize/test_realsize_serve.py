@@ -25,7 +25,7 @@ from weightcast.client.vllm.server import VllmServer
 
 from helpers.processes import wait_for
 from helpers.realsize import REFUSED, WALK, RealSizeVersions
-from vllm_helpers import Follower, Server
+from vllm_helpers import Follower, Server, serving
 from walks import FreshOutputs, fresh_of, registry_of
 
 NODE = "realsize-serve"
@@ -46,13 +46,8 @@ def server(
 ) -> Iterator[Server]:
     """``vllm serve`` started from version 1's HF directory; its workers read the bucket
     (the S3 client environment ``helpers.realsize.published`` set)."""
-    server = Server(realsize.hf_dirs[1], tmp_path_factory.mktemp("serve") / "serve.log")
-    server.start()
-    try:
-        server.wait_ready()
+    with serving(realsize.hf_dirs[1], tmp_path_factory.mktemp("serve") / "serve.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 def loads(server: Server) -> list[dict[str, Any]]:
