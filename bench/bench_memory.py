@@ -189,15 +189,17 @@ class Publisher:
         return {"seconds": seconds, "peak_mb": peak_rss_mb(self.process.pid)}
 
     def wait_evicted(self, version: int) -> None:
-        """Wait for the daemon's ``evicted`` event of ``version`` (it evicts at least every
-        ``--rescan-seconds``, once no reader leases it)."""
+        """Wait until the registry no longer holds ``version`` (the daemon evicts at least
+        every ``--rescan-seconds``, once no reader leases it). The registry, not the
+        ``evicted`` event: :meth:`publish` reads the events up to its ``published`` and
+        drops the rest."""
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
-            message = self.events.get_message(timeout=5)
-            if message is not None and message["type"] == "message":
-                event = json.loads(message["data"])
-                if event["event"] == "evicted" and event["version"] == version:
-                    return
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zscore(self.keys.versions, version).zscore(self.keys.deltas, version)
+            if pipe.execute() == [None, None]:
+                return
+            time.sleep(1)
         raise SystemExit(f"version {version} was not evicted within 300 s")
 
     def stop(self) -> None:
@@ -285,9 +287,9 @@ def main() -> None:
                 disk_check(SHAPES[shape], args.stores, root)
                 for store in args.stores:
                     rounds, nbytes = [], 0
+                    need = model_bytes(SHAPES[shape]) + 5 * 2**30
                     for number in range(args.rounds):
                         load = os.getloadavg()[0]
-                        need = model_bytes(SHAPES[shape]) + 5 * 2**30
                         nbytes, rows = one_round(store, SHAPES[shape], need, root / "work", server)
                         rounds.append(
                             rows | {"load": {"before": load, "after": os.getloadavg()[0]}}
