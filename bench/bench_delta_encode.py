@@ -108,8 +108,8 @@ def write_seconds(data: np.ndarray, path: Path) -> float:
 
 def one_round(base_fd: int, new: np.ndarray, work: Path) -> dict[str, tuple[float, int]]:
     """Each stage's seconds over every block, and a codec's frame bytes."""
-    seconds = {"write": write_seconds(new, work / "new"), "digest": 0.0, "read base": 0.0}
-    seconds |= {"xor": 0.0} | dict.fromkeys(CODECS, 0.0)
+    seconds = {"write": write_seconds(new, work / "new")}
+    seconds |= dict.fromkeys(("digest", "read base", "xor", *CODECS), 0.0)
     sizes = dict.fromkeys(CODECS, 0)
     codecs = {name: make() for name, make in CODECS.items()}
     buffer = np.empty(BLOCK_BYTES, np.uint8)

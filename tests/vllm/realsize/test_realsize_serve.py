@@ -104,9 +104,8 @@ def test_follow_walks_a_vllm_server_through_the_versions_from_a_bucket(
                     follower.process.send_signal(signal.SIGCONT)
                     stopped = False
                 if step.via == REFUSED:
-                    wait_for(
+                    wait(
                         lambda v=step.version: f"v{v} not loaded" in node_error(realsize),
-                        600,
                         f"the node to report v{step.version} refused",
                     )
                     assert REFUSED_REPLY in node_error(realsize), node_error(realsize)
