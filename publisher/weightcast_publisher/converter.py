@@ -46,7 +46,7 @@ from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.contract.version_info import version_dir_name
 from weightcast.store.base import PartUpload, RemoteStore
-from weightcast_publisher.delta_writer import DELTA_DROP, DELTA_WAIT, DeltaSink, find_base
+from weightcast_publisher.delta_writer import DELTA_AUTO, DeltaSink, find_base
 from weightcast_publisher.quantized_source import QuantizedSource
 from weightcast_publisher.safetensors_writer import (
     NonFiniteTensor,
@@ -79,8 +79,9 @@ class ConvertOptions:
     ep = tp) instead of each expert split over the ranks (ep = 1)."""
     delta_max_ratio: float = 0.5
     """Drop the delta once its frames hold more than this fraction of the bytes they cover."""
-    delta_behind: str = DELTA_DROP
-    """When the delta's encoding falls behind the write: drop it, or wait for it."""
+    delta_behind: str = DELTA_AUTO
+    """How long the write may wait on the delta's encoding: ``auto`` (a share of the
+    write's time), ``drop`` (not at all) or ``wait`` (as long as it takes)."""
     quantize: str = QUANTIZE_NONE
     """``fp8``: linear weights as block-scaled FP8 with their scales
     (:mod:`weightcast.contract.fp8`); ``none``: as the snapshot holds them."""
@@ -325,7 +326,7 @@ def _delta_sink(
         names,
         options.digest,
         options.delta_max_ratio,
-        wait_when_behind=options.delta_behind == DELTA_WAIT,
+        behind=options.delta_behind,
     )
 
 

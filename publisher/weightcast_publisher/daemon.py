@@ -416,7 +416,13 @@ class Publisher:
             registered_at = time.time()
             lag = registered_at - snapshot_info.created_at
             event = PublishedEvent(
-                version, snapshot.step, round(lag, 4), path, snapshot_info.snapshot_id
+                version,
+                snapshot.step,
+                round(lag, 4),
+                path,
+                snapshot_info.snapshot_id,
+                delta_bytes=entry.delta_bytes,
+                no_delta=entry.no_delta,
             )
             try:
                 if not self.lock.held:

@@ -3,23 +3,26 @@
 Why here: the writer's pipeline (:mod:`weightcast_publisher.safetensors_writer`) holds each
 16 MiB of the new version in its ring and digests its blocks; a block whose digest equals the
 base's same block is unchanged and gets an empty frame without any read, and a changed block
-is XORed there with the base's block (read from the base version, which the publisher wrote
-minutes ago: likely still in the page cache) and compressed, while the writer thread waits on
-the disk. The new bytes are never read back, and no trainer time is spent. The math is
-:mod:`weightcast.contract.delta`; this module finds the base, checks that its plan is the new
-version's before anything is written (same tensors, same files cut into the same blocks:
-else no delta), encodes each buffer's frames (:class:`FileFrames`) and writes them in file
-and block order into one delta file per version (:class:`DeltaSink`), with at most the
+is encoded there against the base's block (read from the base version, which the publisher
+wrote minutes ago: likely still in the page cache; ``xor-sparse``, one pass over both blocks
+that keeps only the changed bytes, :mod:`weightcast.contract.sparse_xor`), while the writer
+thread waits on the disk. The new bytes are never read back, and no trainer time is spent.
+The math is :mod:`weightcast.contract.delta`; this module finds the base, checks that its
+plan is the new version's before anything is written (same tensors, same files cut into the
+same blocks: else no delta), encodes each buffer's frames (:class:`FileFrames`) and writes
+them in file and block order into one delta file per version (:class:`DeltaSink`), with at most the
 ring's worth of frames waiting for an earlier one.
 
-A delta is an optimisation, and never makes a publish slower: whatever goes wrong with it
+A delta is an optimisation, and never holds a publish for long: whatever goes wrong with it
 (a base file shorter than its manifest, unreadable, a full disk) drops the delta, logged with
 the reason, and the version is published without one. So do two budgets, checked as the
 frames come: a delta whose frames hold more than ``max_ratio`` of the bytes they cover (a
 version that shares little with its base: a node would read nearly all of it anyway), and a
-delta whose encoding holds the ring after the disk is done with it (the pipeline calls
-:meth:`FileFrames.behind`: the encoding would slow the write). The encoding stops at once, and
-what was written of the delta file is removed.
+delta whose encoding holds the write too long (the pipeline reports each wait on a buffer
+only the encoding still holds: :meth:`FileFrames.behind`). How long is too long is
+``publisher.delta_behind``: ``auto`` weighs both sides (:data:`AUTO_WAIT_SHARE`), ``drop``
+gives up at the first wait, ``wait`` never. The encoding stops at once, and what was written
+of the delta file is removed.
 """
 
 from __future__ import annotations
@@ -35,7 +38,14 @@ from typing import BinaryIO
 
 import numpy as np
 
-from weightcast.contract.delta import Delta, DeltaFile, compressor, delta_file_name, encode_block
+from weightcast.contract.delta import (
+    Delta,
+    DeltaFile,
+    compressor,
+    delta_file_name,
+    encode_block,
+    scratch_bytes,
+)
 from weightcast.contract.manifest import (
     BLOCK_BYTES,
     MANIFEST_FORMAT,
@@ -56,8 +66,16 @@ log = get_logger("publisher")
 
 DROP_TOO_LARGE = "too_large"
 DROP_BEHIND = "behind"
-DELTA_DROP, DELTA_WAIT = "drop", "wait"
+DELTA_AUTO, DELTA_DROP, DELTA_WAIT = "auto", "drop", "wait"
 """``publisher.delta_behind``: what a delta whose encoding falls behind the write does."""
+AUTO_WAIT_SHARE = 1 / 3
+"""``auto``: the write may wait on the encoding for up to this share of the time it has
+taken so far (the publish at most 1.5x its time without a delta). Worth it with one node:
+a node's full read moves the bytes the publisher writes, and a delta saves it all but a few
+percent of them; with many nodes, or a bucket between them and the publisher, far more."""
+AUTO_WAIT_FLOOR = 0.1
+"""``auto``: seconds of waiting always allowed (a small version's write is a few buffers,
+and its first waits would otherwise end the delta before the share means anything)."""
 DROP_OTHER = "other"
 """Why a delta was dropped, in a word (the publisher's ``deltas_dropped`` counter's label):
 it stopped paying, its encoding fell behind the write, or anything else (another plan, a base
@@ -67,8 +85,8 @@ JUDGED_AFTER = 16 * 1024 * 1024
 ring buffer), and at the end."""
 
 _local = threading.local()
-"""Each encoding thread's zstd compressor (one is not shared between threads) and the
-buffer it reads base blocks into."""
+"""Each encoding thread's zstd compressor (one is not shared between threads), the buffer it
+reads base blocks into and the one its frames' streams are packed in."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +137,7 @@ def same_blocks(old: FileEntry | None, name: str, size: int, blocks: BlockDigest
 
 
 class DeltaSink:
-    """The delta file of one version (``delta-from-v<B>.xor-zstd`` in ``directory``), fed by
+    """The delta file of one version (``delta-from-v<B>.xor-sparse`` in ``directory``), fed by
     each weights file's pipeline in turn; :meth:`finish` gives its manifest entries.
 
     Frames are written as they become ready, in file and block order: a buffer's frames wait
@@ -136,12 +154,15 @@ class DeltaSink:
         files: Sequence[str],
         digest: str,
         max_ratio: float = 0.5,
-        wait_when_behind: bool = False,
+        behind: str = DELTA_AUTO,
     ) -> None:
         self.base = base
         self.max_ratio = max_ratio
-        self.wait_when_behind = wait_when_behind
-        """Let the write wait for the encoding rather than drop the delta (``delta_behind``)."""
+        self.behind_rule = behind
+        """How long the write may wait on the encoding (``delta_behind``)."""
+        self.started = time.monotonic()
+        self.held = 0.0
+        """Seconds the write has waited on the encoding."""
         self.path = directory / delta_file_name(base.manifest.version)
         self.expected = list(files)
         """The weights files the delta must cover, in the order they are written."""
@@ -245,14 +266,21 @@ class DeltaSink:
         with self.lock:
             self._drop(reason, planned, kind)
 
-    def behind(self) -> None:
-        """The ring waits on the encoding: drop the delta rather than slow the write (unless
-        told to wait for it)."""
-        if self.wait_when_behind:
-            return
+    def behind(self, seconds: float) -> None:
+        """The write has waited ``seconds`` more on the encoding: drop the delta when the
+        waits are more than :attr:`behind_rule` allows."""
         with self.lock:
+            self.held += seconds
+            elapsed = time.monotonic() - self.started
+            allowed = max(AUTO_WAIT_FLOOR, AUTO_WAIT_SHARE * elapsed)
+            if self.behind_rule == DELTA_WAIT or (
+                self.behind_rule == DELTA_AUTO and self.held <= allowed
+            ):
+                return
             seen = f"{self.covered} of the version's bytes encoded"
-            self._drop(f"the delta's encoding fell behind the write ({seen})", kind=DROP_BEHIND)
+            held = f"it held the write {self.held:.3f} s of {elapsed:.3f} s"
+            why = f"the delta's encoding fell behind the write ({held}; {seen})"
+            self._drop(why, kind=DROP_BEHIND)
 
     def _judge(self, at_end: bool = False) -> None:
         """Drop the delta once its frames hold more than ``max_ratio`` of the bytes they cover."""
@@ -347,18 +375,19 @@ class FileFrames:
         except Exception as exc:  # a delta never fails the publish
             self.sink.drop(f"{self.name}: {exc}")
 
-    def behind(self) -> None:
-        """The writer is done with a buffer the encoding still holds, and the ring needs it."""
-        self.sink.behind()
+    def behind(self, seconds: float) -> None:
+        """The ring has waited ``seconds`` more on a buffer the encoding still holds."""
+        self.sink.behind(seconds)
 
     def _frame(self, index: int, new: memoryview, digest: str) -> bytes:
         """Block ``index``'s frame: empty when its digest did not change (the base is not
-        read), else zstd of the XOR with the base's block, read into this thread's buffer."""
+        read), else the block encoded against the base's, read into this thread's buffer."""
         if digest == self.base.digests[index]:
             return b""
         if not hasattr(_local, "compressor"):
             _local.compressor = compressor()
             _local.buffer = np.empty(BLOCK_BYTES, np.uint8)
+            _local.scratch = np.empty(scratch_bytes(BLOCK_BYTES), np.uint8)
         base = _local.buffer[: len(new)]
         start = self.blocks.starts[index]
         done = 0
@@ -367,7 +396,7 @@ class FileFrames:
             if n <= 0:
                 raise OSError(f"the base's {self.name} is shorter than its manifest says")
             done += n
-        return encode_block(new, base, _local.compressor, out=base)
+        return encode_block(new, base, _local.compressor, _local.scratch)
 
 
 WARM_CHUNK = 16 * 1024 * 1024

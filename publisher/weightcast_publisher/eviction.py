@@ -23,7 +23,7 @@ from pathlib import Path
 
 import redis
 
-from weightcast.contract.delta import delta_file_name
+from weightcast.contract.delta import CODECS, delta_file_name
 from weightcast.contract.durable import exchange_dirs, fsync_path, remove_dir, trash_path
 from weightcast.contract.keys import Keys
 from weightcast.contract.leases import Leases
@@ -135,8 +135,9 @@ def remove_version_files(weights_dir: Path, version: int) -> None:
 
 def delta_only_names(delta_from: int) -> set[str]:
     """The files a delta-only version keeps: what a node reads of a chain's link (the
-    manifest and the delta) and the config the manifest lists."""
-    return {MANIFEST_NAME, CONFIG_NAME, delta_file_name(delta_from)}
+    manifest and the delta, in any codec a node reads: an older publisher's too) and the
+    config the manifest lists."""
+    return {MANIFEST_NAME, CONFIG_NAME, *(delta_file_name(delta_from, c) for c in CODECS)}
 
 
 def trim_version_files(weights_dir: Path, version: int, delta_from: int) -> None:

@@ -23,12 +23,13 @@ byte is touched once, and memory stays at the ring's size whatever the model's.
 A :class:`BufferSink` (the version's delta, :mod:`weightcast_publisher.delta_writer`) may take
 each buffer too: the hash thread hands it the buffer's bytes and digests after passing the
 buffer to the writer, so its work overlaps the disk write, and the buffer is free again once
-both are done with it. The sink must never hold the writer: when the filling thread waits for
-a free buffer while the writer is done with one the sink still holds, the pipeline tells the
-sink (``behind``), which then gives up (the delta is dropped, the buffers come free). Not
-earlier (say, the writer idle while both hash threads encode): a file of fewer buffers than
-the ring, and the last buffers of any file, always end with the writer waiting on them for
-a moment, which costs the publish little and would drop every small delta.
+both are done with it. The sink must never hold the writer for long: while the filling
+thread waits for a free buffer and the writer is done with one the sink still holds, the
+pipeline tells the sink how long it has waited so far (``behind``), and the sink decides
+whether to give up (the delta is dropped, the buffers come free) or to let the write wait
+on. Only those waits count (not, say, the writer idle while both hash threads encode): a
+file of fewer buffers than the ring, and the last buffers of any file, always end with the
+writer waiting on them for a moment, which costs the publish little.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,8 +63,15 @@ from weightcast.contract.tensorfile import (
 from weightcast.store.base import PartUpload
 
 BUFFER_BYTES = 16 * 1024 * 1024
-BUFFERS = 6
-HASH_THREADS = max(2, min(4, (os.cpu_count() or 2) // 2))
+HASH_THREADS = max(2, min(12, len(os.sched_getaffinity(0))))
+"""Threads that digest, check and encode the delta of the buffers: one per core this process
+may run on (the encoding is a version's costliest work besides the disk, and numpy and zstd
+release the GIL), at least two so that the disk and the digests overlap on one core."""
+BUFFERS = HASH_THREADS + 4
+"""The ring: a buffer for each hash thread, one filling, one or two at the disk, one spare
+(6 on two cores, as before the thread count followed the cores)."""
+BEHIND_SLICE = 0.005
+"""Seconds between two reports to the sink of a wait it causes."""
 _ALIGN = 4096
 _CHECK_BYTES = 1024 * 1024
 """The finiteness check works through a buffer in slices this size (they stay in cache)."""
@@ -78,9 +87,10 @@ class BufferSink(Protocol):
         """``data`` (file offset ``offset``) holds ``blocks`` whole, their new ``digests``
         filled in; called from several threads, buffers in any order; must not raise."""
 
-    def behind(self) -> None:
-        """The ring waits on this sink (the writer is done with a buffer the sink still
-        holds): give up, and return from :meth:`hashed` at once from now on."""
+    def behind(self, seconds: float) -> None:
+        """The ring has waited ``seconds`` more on this sink (the writer is done with a
+        buffer the sink still holds): give up (and return from :meth:`hashed` at once from
+        then on) or let it wait. Called again every :data:`BEHIND_SLICE` of a wait."""
 
 
 class FileSinks(Protocol):
@@ -316,8 +326,6 @@ class _Pipeline:
         self.done_lock = threading.Lock()
         self.sink_only: set[int] = set()
         """Buffers the writer is done with and the sink is not."""
-        self.waiting = False
-        """Whether the filling thread waits for a free buffer."""
 
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
@@ -451,31 +459,29 @@ class _Pipeline:
         self.filled = 0
 
     def _next_free(self) -> int:
+        """The next free buffer; a wait while the sink alone holds a buffer is reported to
+        it, slice by slice (the last, shorter one too)."""
         with contextlib.suppress(queue.Empty):
             return self.free.get_nowait()
-        with self.done_lock:
-            self.waiting = True
-            behind = bool(self.sink_only)
-        if behind:
-            self._sink_behind()
-        try:
-            while True:
-                if self.error is not None:
-                    raise self.error
-                try:
-                    return self.free.get(timeout=1)
-                except queue.Empty:
-                    if not all(t.is_alive() for t in [*self.hashers, self.writer]):
-                        raise OSError(errno.EIO, "a writer thread died") from None
-        finally:
+        waited = 0.0
+        while True:
+            if self.error is not None:
+                raise self.error
             with self.done_lock:
-                self.waiting = False
-
-    def _sink_behind(self) -> None:
-        """The filling thread waits while the sink alone holds a buffer: the sink slows the
-        write, so it must give up."""
-        assert self.sink is not None
-        self.sink.behind()
+                behind = bool(self.sink_only)
+            start = time.monotonic()
+            try:
+                index: int | None = self.free.get(timeout=BEHIND_SLICE)
+            except queue.Empty:
+                index = None
+            if behind:  # the wait is the sink's
+                assert self.sink is not None
+                self.sink.behind(time.monotonic() - start)
+            if index is not None:
+                return index
+            waited += BEHIND_SLICE
+            if waited >= 1 and not all(t.is_alive() for t in [*self.hashers, self.writer]):
+                raise OSError(errno.EIO, "a writer thread died")
 
     def _source(self, file: Path) -> int:
         if file not in self.sources:
@@ -510,9 +516,8 @@ class _Pipeline:
 
     def _release(self, index: int, writer: bool = False) -> None:
         """One holder (the ``writer``, or the sink) is done with buffer ``index``; the last
-        one frees it. The writer done first while the filling thread waits: the sink is
-        behind."""
-        behind = False
+        one frees it. The writer done first: the sink alone holds it, and a wait for a free
+        buffer is the sink's until it is done too."""
         with self.done_lock:
             self.done[index] += 1
             last = self.done[index] == self.holders
@@ -521,11 +526,8 @@ class _Pipeline:
                 self.sink_only.discard(index)
             elif writer:
                 self.sink_only.add(index)
-                behind = self.waiting
         if last:
             self.free.put(index)
-        if behind:
-            self._sink_behind()
 
     def _digest(self, index: int, offset: int, n: int) -> None:
         view = memoryview(self.buffers[index])

@@ -211,7 +211,7 @@ def test_delta_only_versions_are_not_live_for_older_clients(run: Run) -> None:
         with pytest.raises(VersionGone):
             client.lease(version)
         assert sorted(p.name for p in run.dir(version).iterdir()) == sorted(
-            ["config.json", MANIFEST_NAME, f"delta-from-v{version - 1}.xor-zstd"]
+            ["config.json", MANIFEST_NAME, f"delta-from-v{version - 1}.xor-sparse"]
         )
     assert int(run.deployment.client.get(run.deployment.keys.latest)) == newest
     status = collect_status(run.deployment.client, run.deployment.keys)

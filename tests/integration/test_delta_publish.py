@@ -12,16 +12,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 import torch
 
 from weightcast.client.reader import VersionReader
-from weightcast.contract.delta import decompressor, xor
+from weightcast.contract.delta import SPARSE_CODEC, apply_block, decompressor
+from weightcast.contract.events import parse_event
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, LAYOUT_HF
 from weightcast.contract.manifest import (
@@ -117,7 +121,7 @@ def test_every_frame_is_the_xor_of_the_two_versions_block(
     if options.layout == LAYOUT_HF:  # the delta came through the linked file's read
         assert v1.linked == v2.linked == (options.quantize == "none")  # FP8: computed
     delta = v2.manifest.delta
-    assert delta is not None and delta.base_version == 1
+    assert delta is not None and delta.base_version == 1 and delta.codec == SPARSE_CODEC
     assert delta.base_manifest_sha256 == v1.manifest_sha256
     weights_files = sorted({t.file for t in v2.manifest.tensors})
     assert sorted(f.name for f in delta.files) == weights_files
@@ -137,8 +141,12 @@ def test_every_frame_is_the_xor_of_the_two_versions_block(
                 assert length == 0, (name, i)
                 kept += 1
                 continue
-            change = decompressor().decompress(stream[offset : offset + length])
-            assert change == xor(new_blocks[i], old_blocks[i]).tobytes(), (name, i)
+            frame = stream[offset : offset + length]
+            old_block = np.frombuffer(old_blocks[i], np.uint8)
+            rebuilt = apply_block(frame, old_block, decompressor(), codec=delta.codec)
+            assert rebuilt.tobytes() == new_blocks[i], (name, i)
+            if len(new_blocks[i]) >= 4096:  # only what changed (beyond zstd's framing)
+                assert length < len(new_blocks[i]) / 4
             changed += 1
     assert kept and changed  # blocks inside the unchanged embedding, and the rest
 
@@ -361,10 +369,12 @@ def test_the_registry_says_why_a_version_has_no_delta_and_no_partial_delta_is_le
     reason: str,
 ) -> None:
     """A delta larger than half the bytes it covers is not worth a node's XOR: the publisher
-    stops encoding it, removes what it wrote of it, and says so in the log, the registry entry
-    and a counter; a small change still gets its delta."""
+    stops encoding it, removes what it wrote of it, and says so in the log, the registry
+    entry, the published event and a counter; a small change still gets its delta."""
     deployment = Deployment(client, keys, tmp_path, redis_server.url, shape=SHAPE)
     publisher = deployment.publisher
+    events = client.pubsub()
+    events.subscribe(keys.events)
     state = hf_state(SHAPE, torch.bfloat16)
     for step in (1, 2):
         if step == 2:
@@ -374,6 +384,13 @@ def test_the_registry_says_why_a_version_has_no_delta_and_no_partial_delta_is_le
             publisher.scan_once()
     first = VersionInfo.from_fields(1, client.hgetall(keys.version(1)))
     second = VersionInfo.from_fields(2, client.hgetall(keys.version(2)))
+    messages = iter(lambda: events.get_message(timeout=1), None)
+    announced = [parse_event(m["data"]) for m in messages if m["type"] == "message"]
+    events.close()
+    assert [(e.version, e.delta_bytes, e.no_delta) for e in announced] == [
+        (1, 0, ""),
+        (2, second.delta_bytes, second.no_delta),
+    ]
     assert first.no_delta == ""  # no base: nothing was dropped
     directory = tmp_path / "weights" / second.path
     written = sorted(p.name for p in directory.iterdir() if p.name.startswith("delta-"))
@@ -384,7 +401,7 @@ def test_the_registry_says_why_a_version_has_no_delta_and_no_partial_delta_is_le
     if not reason:
         assert (second.delta_from, second.no_delta) == (1, "")
         assert 0 < second.delta_bytes < second.bytes // 10
-        assert written == ["delta-from-v1.xor-zstd"] and dropped == 0
+        assert written == ["delta-from-v1.xor-sparse"] and dropped == 0
         return
     assert (second.delta_from, second.delta_bytes) == (0, 0)
     assert second.no_delta.startswith(DROPPED), second.no_delta
@@ -401,8 +418,9 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file_unless_to
 ) -> None:
     """The pipeline with no write at all (``digest_file``: the writer is done with every
     buffer at once) over a file of more buffers than the ring, half of the values moved at
-    random places (zstd of the XOR costs some 20 ms a block, the copy from the page cache
-    well under 1 ms; the size budget is lifted so that it does not end the delta first):
+    random places (encoding a block whose every word changed costs some 5 ms, the copy from
+    the page cache well under 1 ms; the size budget is lifted so that it does not end the
+    delta first):
     the filling thread soon waits on a buffer only the encoding holds, and the delta is
     dropped rather than slow the write; with ``delta_behind = "wait"`` the write waits and
     the whole delta is kept."""
@@ -423,7 +441,7 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file_unless_to
     sink, frames, entry = frames_for(tmp_path, v1, v2)
     assert entry.bytes > 6 * BUFFER_BYTES
     sink.max_ratio = 1.0
-    sink.wait_when_behind = behind == "wait"
+    sink.behind_rule = behind
     with caplog.at_level(logging.INFO, "weightcast.publisher"):
         spans = spans_of(v2.path / name)
         digested = digest_file(v2.path / name, spans, DEFAULT_DIGEST, name, Opened(frames))
@@ -438,6 +456,40 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file_unless_to
     assert no_delta_reason(caplog).startswith("the delta's encoding fell behind the write")
     assert sink.kind == "behind"
     assert list(sink.path.parent.iterdir()) == []
+
+
+def test_auto_lets_the_write_wait_on_the_encoding_for_a_third_of_its_time(
+    tmp_path: Path,
+) -> None:
+    """``delta_behind = "auto"``: the waits the pipeline reports add up, and the delta is
+    dropped once they pass a third of the time since the version's write began (a tenth of a
+    second is always allowed); ``drop`` ends it at the first wait, ``wait`` never."""
+    first, second = snapshots(tmp_path)
+    v1 = convert(first, tmp_path / "weights", 1)
+    v2 = convert(second, tmp_path / "weights", 2, ConvertOptions(delta=False))
+    sink, frames, _ = frames_for(tmp_path, v1, v2)
+    assert sink.behind_rule == "auto"
+    sink.started = time.monotonic() - 3  # the write began three seconds ago
+    frames.behind(0.6)
+    frames.behind(0.35)
+    assert sink.reason == ""  # 0.95 s of 3
+    frames.behind(0.1)
+    assert sink.kind == "behind"
+    assert re.search(r"held the write 1\.050 s of 3\.0[0-9]+ s", sink.reason), sink.reason
+    assert list(sink.path.parent.iterdir()) == []
+    for rule, waits, dropped in (
+        ("auto", [0.09], False),  # the floor
+        ("auto", [0.09, 0.02], True),
+        ("drop", [0.001], True),
+        ("wait", [100.0], False),
+    ):
+        shutil.rmtree(tmp_path / "out")
+        sink, frames, _ = frames_for(tmp_path, v1, v2)
+        sink.behind_rule = rule
+        for seconds in waits:
+            frames.behind(seconds)
+        assert (sink.kind == "behind") == dropped, (rule, waits, sink.reason)
+        sink.close()
 
 
 def test_a_delta_that_stops_paying_is_dropped_after_its_first_16_mib(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import zstandard
 from weightcast.client.node import Node
 from weightcast.client.reader import VersionReader
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.delta import DeltaFile
+from weightcast.contract.delta import Delta, DeltaFile
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, file_entry, sha256_bytes
@@ -369,8 +369,8 @@ def test_a_frame_that_holds_or_declares_more_than_its_block_costs_only_the_block
     node.rank_tensors(run.publish(), 0, TP)
     version = run.publish()
     hostile = Hostile(run, version)
-    largest = max(hostile.changed_blocks(), key=lambda index: len(hostile.frame(index)))
-    hostile.write(frames={largest: HOSTILE_FRAMES[case](hostile.frame(largest))})
+    damage = HOSTILE_FRAMES[case]  # every changed frame: whichever blocks rank 0 holds
+    hostile.write(frames={i: damage(hostile.frame(i)) for i in hostile.changed_blocks()})
     peak = peak_traced(lambda: node.rank_tensors(version, 0, TP))
     assert node.files.stats.via == "full"
     assert node.files.stats.reason.startswith("the delta failed: "), node.files.stats.reason
@@ -457,6 +457,31 @@ def test_a_damaged_or_missing_delta_file_makes_the_node_read_the_full_version(
     assert node.files.stats.reason.startswith(f"the delta failed: {path}"), node.files.stats.reason
     node.rank_tensors(run.publish(), 1, TP)
     assert node.files.stats.via == "delta", node.files.stats.reason
+
+
+def test_a_delta_in_a_format_the_node_does_not_know_makes_it_read_the_version_in_full(
+    run: Run,
+) -> None:
+    """A newer publisher's delta format is a reason to read the version whole, not to refuse
+    it: the manifest parses, the node says why it read in full, and follows the next delta
+    it knows."""
+    node, full = keeping(run), run.deployment.reader()
+    node.rank_tensors(run.publish(), 0, TP)
+    version = run.publish()
+    newer = Hostile(run, version)
+    newer.write(change=lambda m: dataclasses.replace(m, delta=renamed(m.delta, "xor-next")))
+    assert same(node.rank_tensors(version, 0, TP), full.rank_tensors(version, 0, TP))
+    assert (node.files.stats.via, node.files.stats.reason) == (
+        "full",
+        "the delta is xor-next, which this node does not read (it reads xor-sparse or xor-zstd)",
+    )
+    node.rank_tensors(run.publish(), 0, TP)
+    assert node.files.stats.via == "delta", node.files.stats.reason
+
+
+def renamed(delta: Delta | None, codec: str) -> Delta:
+    assert delta is not None
+    return dataclasses.replace(delta, codec=codec)
 
 
 def test_a_version_refused_for_its_config_leaves_the_node_on_the_version_it_holds(

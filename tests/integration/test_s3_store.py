@@ -341,7 +341,7 @@ def test_a_node_versions_behind_catches_up_by_a_chain_of_deltas_from_the_bucket(
         deployment.publish()
     # v2 is delta-only now: in the bucket, its manifest, config and delta alone
     assert sorted(k.split("/", 1)[1] for k in objects(deployment, "v2/")) == sorted(
-        [MANIFEST_NAME, CONFIG_NAME, "delta-from-v1.xor-zstd"]
+        [MANIFEST_NAME, CONFIG_NAME, "delta-from-v1.xor-sparse"]
     )
     with node.lease(4) as info:
         got = node.rank_tensors(info, 0, 2)

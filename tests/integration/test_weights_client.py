@@ -73,7 +73,7 @@ def test_a_leased_version_outlives_newer_versions_until_released(deployment: Dep
     assert sorted(p.name for p in weights.iterdir()) == ["v2", "v3", "v4", "v5"]
     assert sorted(p.name for p in (weights / "v3").iterdir()) == [
         "config.json",
-        "delta-from-v2.xor-zstd",
+        "delta-from-v2.xor-sparse",
         "manifest.json",
     ]
 

@@ -181,7 +181,7 @@ def test_sigkill_at_random_moments_never_leaves_a_partial_or_duplicate_version(
     assert sorted(p.name for p in weights.iterdir()) == sorted(f"v{v}" for v in live + deltas)
     for version in deltas:  # trimmed (a trim a kill interrupted is finished at start), intact
         fields = client.hgetall(keys.version(version))
-        delta = f"delta-from-v{int(fields[b'delta_from'])}.xor-zstd"
+        delta = f"delta-from-v{int(fields[b'delta_from'])}.xor-sparse"
         names = {p.name for p in (weights / f"v{version}").iterdir()}
         assert names == {"manifest.json", "config.json", delta}
         text = (weights / f"v{version}" / "manifest.json").read_bytes()

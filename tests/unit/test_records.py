@@ -91,8 +91,15 @@ def test_events_are_the_publishers_json_and_read_back() -> None:
     evicted = Evicted(1)
     assert published.encode() == (
         '{"event": "published", "version": 3, "step": 12, "lag_s": 0.8123, "path": "v3", '
-        '"snapshot_id": "snap-12"}'
+        '"snapshot_id": "snap-12", "delta_bytes": 0}'
     )
+    dropped = Published(4, 13, 0.5, "v4", "snap-13", no_delta="the delta stopped paying")
+    assert json.loads(dropped.encode())["no_delta"] == "the delta stopped paying"
+    assert parse_event(dropped.encode()) == dropped
+    kept = Published(5, 14, 0.5, "v5", "snap-14", delta_bytes=4096)
+    assert parse_event(kept.encode()).delta_bytes == 4096
+    older = {k: v for k, v in json.loads(published.encode()).items() if k != "delta_bytes"}
+    assert parse_event(json.dumps(older)) == published  # an older publisher's event
     assert evicted.encode() == '{"event": "evicted", "version": 1}'
     assert parse_event(published.encode()) == published
     assert parse_event(evicted.encode().encode()) == evicted
@@ -111,6 +118,11 @@ def test_events_are_the_publishers_json_and_read_back() -> None:
         ),
         ('{"event": "evicted", "version": 3, "why": "old"}', "unknown fields \\['why'\\]"),
         ('{"event": "published", "version": 3}', "the published event: lacks 'step'"),
+        (
+            '{"event": "published", "version": 3, "step": 1, "lag_s": 1, "path": "v3", '
+            '"snapshot_id": "s", "delta_bytes": -1}',
+            "the published event: delta_bytes is -1",
+        ),
         (
             '{"event": "published", "version": 3, "step": 1, "lag_s": "1", "path": "v3", '
             '"snapshot_id": "s"}',

@@ -7,9 +7,9 @@ verified blocks it read packed in one host buffer, which the tensors it returned
 of. :func:`delta_refusal` says why a version cannot be read by delta from it (the node then
 reads the full version and reports why); :class:`DeltaApply` applies the delta's frames of
 exactly those blocks in place (:mod:`weightcast.contract.delta`) and verifies each result.
-Nothing is copied: the node's cost is one decompression, one XOR and one hash per block. A
-failure puts every block back (XOR is its own inverse), so the base, and the tensors the
-caller holds, stay the version they were.
+Nothing is copied: the node's cost per changed block is one decompression of its frame, an
+XOR of the bytes that changed, and one hash. A failure puts every block back (XOR is its own
+inverse), so the base, and the tensors the caller holds, stay the version they were.
 """
 
 from __future__ import annotations
@@ -25,7 +25,14 @@ import numpy as np
 import torch
 
 from weightcast.client.block_reads import tensor_bytes
-from weightcast.contract.delta import Delta, DeltaError, apply_block, decompressor, frame_bound
+from weightcast.contract.delta import (
+    Delta,
+    DeltaError,
+    apply_block,
+    decompressor,
+    frame_bound,
+    scratch_bytes,
+)
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.manifest import FileEntry, Manifest, digest_bytes
 from weightcast.store.base import StoredFile
@@ -118,6 +125,8 @@ def delta_refusal(base: HeldBase | None, manifest: Manifest, wants: tuple[object
         return "the node holds no earlier version"
     if delta is None:
         return f"version {manifest.version} has no delta"
+    if delta.refusal():
+        return delta.refusal()
     if delta.base_version != base.version:
         return (
             f"the delta of version {manifest.version} is from version {delta.base_version}; "
@@ -191,6 +200,7 @@ class DeltaApply:
         files: Iterable[tuple[FileEntry, FileEntry, HeldFile]],
     ) -> None:
         self.frames = frames
+        self.codec = delta.codec
         self.files: list[_FileFrames] = []
         self.jobs: list[_Job] = []
         """Every job read so far, kept for :meth:`revert` (their frames: the bytes read)."""
@@ -209,7 +219,7 @@ class DeltaApply:
             offsets = first + np.cumsum(every) - every
             starts = np.asarray(entry.blocks.starts, np.int64)
             sizes = starts[indices + 1] - starts[indices]
-            too_long = every[indices] > frame_bound(sizes)
+            too_long = every[indices] > frame_bound(sizes, delta.codec)
             if too_long.any():
                 index = int(indices[np.argmax(too_long)])
                 raise DeltaError(
@@ -245,7 +255,7 @@ class DeltaApply:
             if length:
                 offset = int(file.offsets[at])
                 job = _Job(file, at, at + 1, offset, self._read(offset, length))
-                block = apply_block(job.frame(at), block, decompressor())
+                block = apply_block(job.frame(at), block, decompressor(), codec=self.codec)
             _verify(file, index, block)
             pieces.append(block.tobytes())
         data = b"".join(pieces)
@@ -263,7 +273,7 @@ class DeltaApply:
             if not hasattr(local, "unzstd"):
                 local.unzstd = decompressor()
                 local.scratch = np.empty(0, np.uint8)
-            self._apply(job, local)
+            self._apply(job, local, self.codec)
 
         with ThreadPoolExecutor(WORKERS) as pool:
             try:
@@ -287,8 +297,10 @@ class DeltaApply:
             for at in range(job.lo, job.hi):
                 if job.file.done[at]:
                     block = job.file.held.block(int(job.file.indices[at]))
-                    scratch = _room(scratch, block.size)
-                    apply_block(job.frame(at), block, unzstd, in_place=True, scratch=scratch)
+                    scratch = _room(scratch, scratch_bytes(block.size, self.codec))
+                    apply_block(
+                        job.frame(at), block, unzstd, True, scratch=scratch, codec=self.codec
+                    )
                     job.file.done[at] = False
 
     def _jobs(self) -> Iterator[_Job]:
@@ -323,15 +335,15 @@ class DeltaApply:
         return data
 
     @staticmethod
-    def _apply(job: _Job, local: threading.local) -> None:
+    def _apply(job: _Job, local: threading.local, codec: str) -> None:
         file = job.file
         for at in range(job.lo, job.hi):
             index = int(file.indices[at])
             block = file.held.block(index)
             if file.lengths[at]:
-                local.scratch = _room(local.scratch, block.size)
+                local.scratch = _room(local.scratch, scratch_bytes(block.size, codec))
                 apply_block(
-                    job.frame(at), block, local.unzstd, in_place=True, scratch=local.scratch
+                    job.frame(at), block, local.unzstd, True, scratch=local.scratch, codec=codec
                 )
                 file.done[at] = True
             _verify(file, index, block)

@@ -404,6 +404,8 @@ class VersionReader:
                 delta = step[1].delta
                 if delta is None:
                     raise DeltaError(f"version {link.version} has no delta")
+                if delta.refusal():
+                    raise DeltaError(f"version {link.version}: {delta.refusal()}")
                 if (delta.base_version, delta.base_manifest_sha256) != before:
                     raise DeltaError(
                         f"the delta of version {link.version} is not from version {before[0]} "

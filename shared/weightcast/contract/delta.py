@@ -1,10 +1,21 @@
 """Delta versions: what a version's manifest says about its delta, and the math, pure.
 
 Beside version N the publisher may write a delta from an earlier version B (its base): for
-every digest block of every weights file, the XOR of N's bytes with the same block of B,
-compressed with zstd (one frame per block), or nothing for a block that did not change. The
-frames follow each other in one file, in the order of :attr:`Delta.files` and their blocks,
-so each frame's place follows from the lengths (:meth:`Delta.frames`).
+every digest block of every weights file, one frame that holds what changed from the same
+block of B, or nothing for a block that did not change. The frames follow each other in one
+file, in the order of :attr:`Delta.files` and their blocks, so each frame's place follows
+from the lengths (:meth:`Delta.frames`).
+
+The frame's encoding is the delta's ``codec``, named in the manifest and the file's name:
+
+* ``xor-sparse`` (written since issue 37): a zstd frame of the changed words of ``N XOR B``
+  in three streams (:mod:`weightcast.contract.sparse_xor`): its cost follows what changed,
+  not the block's size;
+* ``xor-zstd`` (read, no longer written): zstd of the whole ``N XOR B``, which cost more CPU
+  than the write it rode along with, so two cores dropped every delta.
+
+A node reads both; a delta in a codec it does not know makes it read the version in full
+and say why (:meth:`Delta.refusal`).
 
 A delta is only written when the two versions have the same plan (the same files, tensors
 and block boundaries), so block ``i`` of B and of N hold the same tensor bytes. A node that
@@ -25,19 +36,28 @@ if TYPE_CHECKING:  # numpy and zstandard only for the math, not to parse a manif
     import numpy as np
     import zstandard
 
-DELTA_CODEC = "xor-zstd"
+SPARSE_CODEC = "xor-sparse"
+ZSTD_CODEC = "xor-zstd"
+DELTA_CODEC = SPARSE_CODEC
+"""What the publisher writes."""
+CODECS = (SPARSE_CODEC, ZSTD_CODEC)
+"""What a node reads."""
 ZSTD_LEVEL = 1
-"""zstd's fastest standard level: an XOR of two nearby versions is mostly zero bytes, which
-every level compresses alike."""
+"""zstd's fastest standard level (an ``xor-sparse`` payload is a few percent of its block;
+an ``xor-zstd`` XOR is mostly zero bytes, which every level compresses alike)."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_CODEC = re.compile(r"[a-z0-9][a-z0-9.-]{0,31}")
+"""What a codec's name may be: a manifest naming a codec this code does not know still
+parses (its version is read in full, :meth:`Delta.refusal` says why), so a publisher may
+move to a new delta format without its nodes refusing the versions."""
 
 
 class DeltaError(WeightsError):
     """A delta that cannot be applied (a corrupt frame, a base that is not its base)."""
 
 
-def delta_file_name(base_version: int) -> str:
-    return f"delta-from-v{base_version}.{DELTA_CODEC}"
+def delta_file_name(base_version: int, codec: str = DELTA_CODEC) -> str:
+    return f"delta-from-v{base_version}.{codec}"
 
 
 @dataclass(frozen=True)
@@ -61,10 +81,18 @@ class Delta:
     def __post_init__(self) -> None:
         if not _SHA256.fullmatch(self.base_manifest_sha256):
             raise DeltaError(f"delta: base_manifest_sha256 {self.base_manifest_sha256!r}")
-        if self.codec != DELTA_CODEC:
-            raise DeltaError(f"delta: codec {self.codec!r} is not {DELTA_CODEC}")
+        if not _CODEC.fullmatch(self.codec):
+            raise DeltaError(f"delta: codec {self.codec!r} is no codec name")
         if len({f.name for f in self.files}) != len(self.files):
             raise DeltaError("delta: lists a file twice")
+
+    def refusal(self) -> str:
+        """Why a node cannot apply this delta at all ('' when it can): a codec it does not
+        know."""
+        if self.codec not in CODECS:
+            known = " or ".join(CODECS)
+            return f"the delta is {self.codec}, which this node does not read (it reads {known})"
+        return ""
 
     @property
     def bytes(self) -> int:
@@ -148,17 +176,62 @@ def encode_block(
     new: bytes | memoryview | np.ndarray,
     base: bytes | memoryview | np.ndarray,
     compressor: zstandard.ZstdCompressor,
+    scratch: np.ndarray | None = None,
+) -> bytes:
+    """The ``xor-sparse`` frame of a changed block: zstd of the three streams of
+    ``new XOR base`` (:mod:`weightcast.contract.sparse_xor`) behind their 12-byte header.
+    ``scratch`` (uint8, at least :func:`scratch_bytes`) takes the streams instead of a new
+    array; neither block is changed."""
+    import numpy as np
+
+    from weightcast.contract.sparse_xor import GAP_BYTES, HEADER_BYTES, encode_streams, word_count
+
+    left, right = np.frombuffer(new, np.uint8), np.frombuffer(base, np.uint8)
+    if left.size != right.size:
+        raise DeltaError(f"XOR of {left.size} bytes with {right.size}")
+    need = scratch_bytes(left.size)
+    out = np.empty(need, np.uint8) if scratch is None or scratch.size < need else scratch
+    changed, gap_bytes, value_bytes = encode_streams(left, right, out)
+    masks_at = HEADER_BYTES + GAP_BYTES * word_count(left.size)
+    values_at = masks_at + word_count(left.size)
+    # Packed: header, gaps, masks, values (the masks and values move down over the room
+    # their streams were given).
+    out[:HEADER_BYTES].view("<u4")[:] = (changed, gap_bytes, value_bytes)
+    at = HEADER_BYTES + gap_bytes
+    out[at : at + changed] = out[masks_at : masks_at + changed]
+    at += changed
+    out[at : at + value_bytes] = out[values_at : values_at + value_bytes]
+    return compressor.compress(out[: at + value_bytes].data)
+
+
+def encode_zstd_block(
+    new: bytes | memoryview | np.ndarray,
+    base: bytes | memoryview | np.ndarray,
+    compressor: zstandard.ZstdCompressor,
     out: np.ndarray | None = None,
 ) -> bytes:
-    """The frame of a changed block: zstd of ``new XOR base`` (a frame holds its size), the
-    XOR written into ``out`` when given (``new``'s own array, say) rather than a new array."""
+    """The ``xor-zstd`` frame of a changed block: zstd of ``new XOR base``, the XOR written
+    into ``out`` when given (``new``'s own array, say) rather than a new array. (What an
+    older publisher wrote: nodes still read it.)"""
     return compressor.compress(xor(new, base, out=out).data)
 
 
-def frame_bound(block_bytes: Any) -> Any:
-    """The most bytes a zstd frame of a ``block_bytes`` block takes (zstd's
-    ``ZSTD_COMPRESSBOUND``; of each, for an array): a longer frame is no frame of that block,
-    and is refused before it is read."""
+def scratch_bytes(block_bytes: int, codec: str = DELTA_CODEC) -> int:
+    """The room a frame of a ``block_bytes`` block takes decoded: its streams, or its XOR."""
+    from weightcast.contract.sparse_xor import payload_bound
+
+    return payload_bound(block_bytes) if codec == SPARSE_CODEC else block_bytes
+
+
+def frame_bound(block_bytes: Any, codec: str = DELTA_CODEC) -> Any:
+    """The most bytes a frame of a ``block_bytes`` block takes (zstd's
+    ``ZSTD_COMPRESSBOUND`` of what it holds decoded; of each, for an array): a longer frame
+    is no frame of that block, and is refused before it is read."""
+    from weightcast.contract.sparse_xor import GAP_BYTES, HEADER_BYTES
+
+    if codec == SPARSE_CODEC:  # payload_bound, for an array too
+        words = (block_bytes + 7) // 8
+        block_bytes = HEADER_BYTES + (GAP_BYTES + 1) * words + block_bytes
     small = 128 * 1024
     return (
         block_bytes + (block_bytes >> 8) + (((small - block_bytes) * (block_bytes < small)) >> 11)
@@ -176,45 +249,95 @@ def apply_block(
     decompressor: zstandard.ZstdDecompressor,
     in_place: bool = False,
     scratch: np.ndarray | None = None,
+    codec: str = DELTA_CODEC,
 ) -> np.ndarray:
-    """The new block from its ``frame`` and the ``base`` block (uint8):
-    ``base XOR unzstd(frame)``, written over ``base`` itself when ``in_place``. ``scratch``
-    (uint8, at least the block's length) takes the decompressed bytes instead of a new array.
+    """The new block from its ``frame`` (in ``codec``) and the ``base`` block (uint8),
+    written over ``base`` itself when ``in_place``. ``scratch`` (uint8, at least
+    :func:`scratch_bytes`) takes the decompressed bytes instead of a new array.
 
-    A frame that is not zstd, that is longer than any frame of the block, or that declares,
-    asks a window for, or holds other than exactly the block's length is a
-    :class:`DeltaError` (``base`` untouched). Whatever its header says, nothing larger than
-    the block is allocated or decompressed: the header is read first, and the output is
-    read into the block's length plus one byte. A frame that decodes but was damaged shows
-    only in the digest of the result, which the caller checks."""
+    A frame that is not zstd, that is longer than any frame of the block, that declares or
+    asks a window for more than a frame of the block holds, whose decoded streams do not
+    describe a change of exactly this block (or, ``xor-zstd``, whose XOR is not exactly the
+    block's length) is a :class:`DeltaError`, ``base`` untouched: every frame is decoded
+    and checked whole before a byte of the block is changed. Whatever its header says,
+    nothing larger than the bound is allocated or decompressed. A frame that decodes but was
+    damaged shows only in the digest of the result, which the caller checks."""
     import numpy as np
 
     size = base.size
-    change = np.empty(size, np.uint8) if scratch is None else scratch[:size]
-    _unzstd_into(frame, change, decompressor)
-    return xor(base, change, out=base if in_place else None)
+    need = scratch_bytes(size, codec)
+    room = np.empty(need, np.uint8) if scratch is None or scratch.size < need else scratch
+    if len(frame) > frame_bound(size, codec):
+        raise DeltaError(f"a delta frame of {len(frame)} bytes is too long for a block of {size}")
+    if codec == ZSTD_CODEC:
+        change = room[:size]
+        _unzstd_into(frame, change, decompressor, _declared(frame, size, size, exact=False))
+        return xor(base, change, out=base if in_place else None)
+    if codec != SPARSE_CODEC:
+        raise DeltaError(f"no codec {codec!r}")
+    from weightcast.contract.sparse_xor import (
+        HEADER_BYTES,
+        STREAM_ERRORS,
+        apply_streams,
+        check_streams,
+    )
+
+    length = _declared(frame, need, size, exact=True)
+    if length < HEADER_BYTES:
+        raise DeltaError(f"a delta frame holds {length} bytes, less than its header")
+    payload = room[:length]
+    _unzstd_into(frame, payload, decompressor, length)
+    changed, gap_bytes, value_bytes = (int(n) for n in payload[:HEADER_BYTES].view("<u4"))
+    if HEADER_BYTES + gap_bytes + changed + value_bytes != length:
+        raise DeltaError(
+            f"a delta frame's header says {changed} words, {gap_bytes} gap bytes and "
+            f"{value_bytes} value bytes, not the {length - HEADER_BYTES} bytes it holds"
+        )
+    gaps = payload[HEADER_BYTES : HEADER_BYTES + gap_bytes]
+    masks = payload[HEADER_BYTES + gap_bytes : HEADER_BYTES + gap_bytes + changed]
+    values = payload[HEADER_BYTES + gap_bytes + changed :]
+    broken = check_streams(gaps, masks, values, size)
+    if broken:
+        raise DeltaError(f"a delta frame does not fit its block of {size}: {STREAM_ERRORS[broken]}")
+    block = base if in_place else base.copy()
+    apply_streams(gaps, masks, values, block)
+    return block
 
 
-def _unzstd_into(
-    frame: bytes | memoryview, out: np.ndarray, decompressor: zstandard.ZstdDecompressor
-) -> None:
-    """Decompress ``frame`` into ``out``, which it must fill exactly (see apply_block)."""
+def _declared(frame: bytes | memoryview, most: int, size: int, exact: bool) -> int:
+    """The bytes ``frame`` holds decoded, from its header: at most ``most``, and declared
+    when ``exact`` (else ``most`` when it declares none); its window no larger than that
+    (or :data:`WINDOW_FLOOR`). ``size`` is the block's, for the messages."""
     import zstandard
 
-    size = out.size
-    if len(frame) > frame_bound(size):
-        raise DeltaError(f"a delta frame of {len(frame)} bytes is too long for a block of {size}")
     try:
         header = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as exc:
         raise DeltaError(f"a delta frame does not decode: {exc}") from None
     declared = header.content_size
-    if declared != zstandard.CONTENTSIZE_UNKNOWN and declared != size:
+    if declared == zstandard.CONTENTSIZE_UNKNOWN:
+        if exact:
+            raise DeltaError("a delta frame does not declare its size")
+        declared = most
+    elif declared > most or (not exact and declared != most):
         raise DeltaError(f"a delta frame declares {declared} bytes for a block of {size}")
-    if header.window_size > max(size, WINDOW_FLOOR):
+    if header.window_size > max(declared, WINDOW_FLOOR):
         raise DeltaError(
             f"a delta frame asks a window of {header.window_size} bytes for a block of {size}"
         )
+    return declared
+
+
+def _unzstd_into(
+    frame: bytes | memoryview,
+    out: np.ndarray,
+    decompressor: zstandard.ZstdDecompressor,
+    size: int,
+) -> None:
+    """Decompress ``frame`` into ``out`` (``size`` bytes), which it must fill exactly: the
+    output is read into that length plus one byte, no more."""
+    import zstandard
+
     got, extra = 0, b""
     try:
         with decompressor.stream_reader(frame) as reader:
@@ -225,15 +348,15 @@ def _unzstd_into(
     except zstandard.ZstdError as exc:
         raise DeltaError(f"a delta frame does not decode: {exc}") from None
     if extra:
-        raise DeltaError(f"a delta frame holds more than the {size} bytes of its block")
+        raise DeltaError(f"a delta frame holds more than the {size} bytes it declares")
     if got != size:
         raise DeltaError(f"a delta frame does not decode: it ends after {got} of {size} bytes")
 
 
 def compressor() -> zstandard.ZstdCompressor:
-    """The publisher's compressor: content size in every frame, no checksum (a node checks
-    every rebuilt block against the manifest's digest, so zstd's own checksum would only
-    add 20-30% to the encoding and the decoding of a sparse XOR)."""
+    """The publisher's compressor: content size in every frame (a node allocates nothing
+    before it knows it), no checksum (a node checks every rebuilt block against the
+    manifest's digest, so zstd's own would only add to the encoding and the decoding)."""
     import zstandard
 
     return zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=False)

@@ -21,25 +21,31 @@ EVICTED = "evicted"
 @dataclass(frozen=True)
 class Published:
     """Version ``version`` (of training step ``step``) is registered, ``lag_s`` seconds
-    after the trainer wrote its snapshot ``snapshot_id``; ``path`` as registered."""
+    after the trainer wrote its snapshot ``snapshot_id``; ``path`` as registered. Its delta
+    holds ``delta_bytes`` (0: none), and ``no_delta`` says why it has none although it had
+    a base (the registry entry's reason, so a watcher need not read the entry)."""
 
     version: int
     step: int
     lag_s: float
     path: str
     snapshot_id: str
+    delta_bytes: int = 0
+    no_delta: str = ""
 
     def encode(self) -> str:
-        return json.dumps(
-            {
-                "event": PUBLISHED,
-                "version": self.version,
-                "step": self.step,
-                "lag_s": self.lag_s,
-                "path": self.path,
-                "snapshot_id": self.snapshot_id,
-            }
-        )
+        fields = {
+            "event": PUBLISHED,
+            "version": self.version,
+            "step": self.step,
+            "lag_s": self.lag_s,
+            "path": self.path,
+            "snapshot_id": self.snapshot_id,
+            "delta_bytes": self.delta_bytes,
+        }
+        if self.no_delta:
+            fields["no_delta"] = self.no_delta
+        return json.dumps(fields)
 
 
 @dataclass(frozen=True)
@@ -68,6 +74,8 @@ def parse_event(data: bytes | str) -> Event:
             fields.number("lag_s"),
             fields.text("path"),
             fields.text("snapshot_id"),
+            fields.integer("delta_bytes", default=0),  # absent from an older publisher's
+            fields.text("no_delta") if "no_delta" in raw else "",
         )
     if kind == EVICTED:
         fields = Fields(raw, "", RecordError, ("event", "version"), "the evicted event")
@@ -75,4 +83,13 @@ def parse_event(data: bytes | str) -> Event:
     raise RecordError(f"the event's kind {kind!r} is not one of {PUBLISHED}, {EVICTED}")
 
 
-_PUBLISHED_FIELDS = ("event", "version", "step", "lag_s", "path", "snapshot_id")
+_PUBLISHED_FIELDS = (
+    "event",
+    "version",
+    "step",
+    "lag_s",
+    "path",
+    "snapshot_id",
+    "delta_bytes",
+    "no_delta",
+)

@@ -410,8 +410,9 @@ class PublisherConfig:
     )
     delta: bool = setting(
         True,
-        "write beside each version a delta from the previous one (XOR + zstd per digest "
-        "block) when their layouts match; nodes that hold the previous version read only it",
+        "write beside each version a delta from the previous one (the changed bytes of each "
+        "digest block, xor-sparse) when their layouts match; nodes that hold the previous "
+        "version read only it",
         flag="--delta",
     )
     delta_max_ratio: float = setting(
@@ -424,13 +425,14 @@ class PublisherConfig:
         le=1,
     )
     delta_behind: str = setting(
-        "drop",
-        "what a delta whose encoding falls behind the write does: drop (the version is "
-        "published without it, never later than without deltas) or wait (the write waits for "
-        "the encoding: a slower publish, but nodes behind a store on other hosts, or many "
-        "nodes, read only the changed bytes; for hosts with few cores)",
+        "auto",
+        "what a delta whose encoding falls behind the write does: auto (the write waits for "
+        "it while the waits stay within a third of the write's time: one node's read saved "
+        "pays for that), drop (at once: the version is never later than without deltas) or "
+        "wait (as long as it takes: every version keeps its delta, for many nodes or a "
+        "bucket on other hosts)",
         flag="--delta-behind",
-        choices=("drop", "wait"),
+        choices=("auto", "drop", "wait"),
     )
     delta_window: int = setting(
         8,
