@@ -46,7 +46,12 @@ from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.contract.version_info import version_dir_name
 from weightcast.store.base import PartUpload, RemoteStore
-from weightcast_publisher.delta_writer import DELTA_AUTO, DeltaSink, find_base
+from weightcast_publisher.delta_writer import (
+    AUTO_WAIT_SHARE,
+    DELTA_AUTO,
+    DeltaSink,
+    find_base,
+)
 from weightcast_publisher.quantized_source import QuantizedSource
 from weightcast_publisher.safetensors_writer import (
     NonFiniteTensor,
@@ -82,6 +87,8 @@ class ConvertOptions:
     delta_behind: str = DELTA_AUTO
     """How long the write may wait on the delta's encoding: ``auto`` (a share of the
     write's time), ``drop`` (not at all) or ``wait`` (as long as it takes)."""
+    delta_wait_share: float = AUTO_WAIT_SHARE
+    """``auto``'s share of the write's time (the daemon's follows the live nodes)."""
     quantize: str = QUANTIZE_NONE
     """``fp8``: linear weights as block-scaled FP8 with their scales
     (:mod:`weightcast.contract.fp8`); ``none``: as the snapshot holds them."""
@@ -327,6 +334,7 @@ def _delta_sink(
         options.digest,
         options.delta_max_ratio,
         behind=options.delta_behind,
+        wait_share=options.delta_wait_share,
     )
 
 

@@ -49,6 +49,7 @@ from weightcast.contract.manifest import (
 )
 from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.snapshot_format import snapshot_step
+from weightcast.contract.sparse_xor import compile_kernels
 from weightcast.contract.version_info import VersionInfo, dir_version, version_dir_name
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
@@ -64,7 +65,7 @@ from weightcast_publisher.converter import (
     ConvertOptions,
     convert,
 )
-from weightcast_publisher.delta_writer import warm_base
+from weightcast_publisher.delta_writer import auto_wait_share, warm_base
 from weightcast_publisher.eviction import (
     Evictor,
     delta_only_names,
@@ -120,6 +121,8 @@ class Publisher:
             delta_behind=cfg.delta_behind,
             quantize=cfg.quantize,
         )
+        if cfg.delta:
+            compile_kernels()
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
         self.remote: RemoteStore | None = None
@@ -343,13 +346,26 @@ class Publisher:
     def convert(self, snapshot: Snapshot, version: int) -> ConvertedVersion:
         """Write the version here (and its weights files to the store as they are written);
         whatever fails leaves nothing of it in the store."""
+        options = self.options
+        if options.delta:
+            share = auto_wait_share(self.live_nodes())
+            options = dataclasses.replace(options, delta_wait_share=share)
         try:
-            return convert(snapshot, self.weights_dir, version, self.options, self.remote)
+            return convert(snapshot, self.weights_dir, version, options, self.remote)
         except BaseException:
             if self.remote is not None:
                 with contextlib.suppress(WeightcastError):
                     self.remote.remove_version(version_dir_name(version))
             raise
+
+    def live_nodes(self) -> int:
+        """The nodes that report to the registry (stale ones are pruned by housekeeping);
+        0 when Redis cannot say now (the publish goes on: this only sizes a budget)."""
+        try:
+            return int(self.redis.hlen(self.keys.nodes))
+        except redis.RedisError as exc:
+            log.warning("live nodes unknown", reason=str(exc))
+            return 0
 
     def upload(self, version: int, published: ConvertedVersion) -> None:
         """Put the rest of the version in the store (nothing to do when the store is the

@@ -69,10 +69,15 @@ DROP_BEHIND = "behind"
 DELTA_AUTO, DELTA_DROP, DELTA_WAIT = "auto", "drop", "wait"
 """``publisher.delta_behind``: what a delta whose encoding falls behind the write does."""
 AUTO_WAIT_SHARE = 1 / 3
-"""``auto``: the write may wait on the encoding for up to this share of the time it has
-taken so far (the publish at most 1.5x its time without a delta). Worth it with one node:
-a node's full read moves the bytes the publisher writes, and a delta saves it all but a few
-percent of them; with many nodes, or a bucket between them and the publisher, far more."""
+"""``auto``, per live node: the write may wait on the encoding for up to this share of the
+time it has taken so far, times the nodes that report to the registry (at least one), and
+at most :data:`AUTO_WAIT_CAP`. A wait of W seconds makes every node W seconds later; a
+delta saves each node a full read less a few percent, and a full read moves the bytes the
+publisher writes: with one node about the write's time (a third of it is a safe bet), with N
+nodes drawing on one store's bandwidth about N times that."""
+AUTO_WAIT_CAP = 1.0
+"""``auto``: the most the waits may add, as a share of the write's time (a publish at most
+twice as long as without a delta, however many nodes)."""
 AUTO_WAIT_FLOOR = 0.1
 """``auto``: seconds of waiting always allowed (a small version's write is a few buffers,
 and its first waits would otherwise end the delta before the share means anything)."""
@@ -136,6 +141,11 @@ def same_blocks(old: FileEntry | None, name: str, size: int, blocks: BlockDigest
     return ""
 
 
+def auto_wait_share(nodes: int) -> float:
+    """``auto``'s share of the write's time for ``nodes`` live nodes."""
+    return min(AUTO_WAIT_CAP, AUTO_WAIT_SHARE * max(1, nodes))
+
+
 class DeltaSink:
     """The delta file of one version (``delta-from-v<B>.xor-sparse`` in ``directory``), fed by
     each weights file's pipeline in turn; :meth:`finish` gives its manifest entries.
@@ -155,11 +165,14 @@ class DeltaSink:
         digest: str,
         max_ratio: float = 0.5,
         behind: str = DELTA_AUTO,
+        wait_share: float = AUTO_WAIT_SHARE,
     ) -> None:
         self.base = base
         self.max_ratio = max_ratio
         self.behind_rule = behind
         """How long the write may wait on the encoding (``delta_behind``)."""
+        self.wait_share = wait_share
+        """``auto``: the share of the write's time the waits may take (:func:`auto_wait_share`)."""
         self.started = time.monotonic()
         self.held = 0.0
         """Seconds the write has waited on the encoding."""
@@ -272,13 +285,15 @@ class DeltaSink:
         with self.lock:
             self.held += seconds
             elapsed = time.monotonic() - self.started
-            allowed = max(AUTO_WAIT_FLOOR, AUTO_WAIT_SHARE * elapsed)
+            allowed = max(AUTO_WAIT_FLOOR, self.wait_share * elapsed)
             if self.behind_rule == DELTA_WAIT or (
                 self.behind_rule == DELTA_AUTO and self.held <= allowed
             ):
                 return
             seen = f"{self.covered} of the version's bytes encoded"
             held = f"it held the write {self.held:.3f} s of {elapsed:.3f} s"
+            if self.behind_rule == DELTA_AUTO:
+                held += f", over {self.wait_share:.2f} of it"
             why = f"the delta's encoding fell behind the write ({held}; {seen})"
             self._drop(why, kind=DROP_BEHIND)
 

@@ -71,6 +71,7 @@ from weightcast.contract.manifest import (
 )
 from weightcast.contract.sharding import RankSlice, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
+from weightcast.contract.sparse_xor import compile_kernels
 from weightcast.contract.tensorfile import (
     DTYPE_SIZES,
     PREFIX_BYTES,
@@ -180,6 +181,8 @@ class VersionReader:
         self.stats = ReadStats()
         """What the last read to finish did."""
         self.keep_base = keep_base
+        if keep_base:  # its deltas' kernels, now rather than in its first update
+            compile_kernels()
         self.base: HeldBase | None = None
         """The verified blocks of the last version read (``keep_base``): a delta's base."""
         self.max_delta_chain = max_delta_chain

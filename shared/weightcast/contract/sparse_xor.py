@@ -184,3 +184,17 @@ def apply_streams(gaps: np.ndarray, masks: np.ndarray, values: np.ndarray, block
             block[start + _LOWEST[mask]] ^= values[value_at]
             value_at += 1
             mask &= mask - np.uint8(1)
+
+
+def compile_kernels() -> None:
+    """Compile every kernel now (or load it from numba's cache, some 0.2 s): a long-lived
+    process calls this at its start, so that its first delta does not pay for it inside a
+    publish or an update."""
+    block = np.zeros(9, np.uint8)
+    room = np.empty(payload_bound(block.size), np.uint8)
+    frozen = block.view()
+    frozen.flags.writeable = False  # the encoder's blocks, as delta.encode_block passes them
+    encode_streams(frozen, frozen, room)
+    empty = room[:0]
+    check_streams(empty, empty, empty, block.size)
+    apply_streams(empty, empty, empty, block)
