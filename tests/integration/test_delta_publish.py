@@ -37,12 +37,13 @@ from weightcast.contract.manifest import (
     sha256_bytes,
     verify_files,
 )
+from weightcast.contract.nodes import NodeReport
 from weightcast.contract.snapshot_format import read_complete
 from weightcast.contract.tensorfile import TensorSpan, read_header
 from weightcast.contract.version_info import VersionInfo
 from weightcast.local.redis_server import RedisServer
 from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, convert
-from weightcast_publisher.delta_writer import DeltaSink, FileFrames, find_base
+from weightcast_publisher.delta_writer import DeltaSink, FileFrames, auto_wait_share, find_base
 from weightcast_publisher.safetensors_writer import BUFFER_BYTES, digest_file
 from weightcast_publisher.snapshot_scan import Snapshot
 
@@ -456,6 +457,20 @@ def test_an_encoding_slower_than_the_ring_drops_the_delta_and_its_file_unless_to
     assert no_delta_reason(caplog).startswith("the delta's encoding fell behind the write")
     assert sink.kind == "behind"
     assert list(sink.path.parent.iterdir()) == []
+
+
+def test_auto_allows_a_third_of_the_write_per_live_node_and_at_most_all_of_it() -> None:
+    assert [round(auto_wait_share(n), 3) for n in (0, 1, 2, 3, 50)] == [0.333, 0.333, 0.667, 1, 1]
+
+
+def test_the_publisher_counts_the_nodes_that_report(
+    redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
+) -> None:
+    deployment = Deployment(client, keys, tmp_path, redis_server.url, shape=SHAPE)
+    assert deployment.publisher.live_nodes() == 0
+    for node in ("a", "b", "c"):
+        client.hset(keys.nodes, node, NodeReport(1, time.time()).encode())
+    assert deployment.publisher.live_nodes() == 3
 
 
 def test_auto_lets_the_write_wait_on_the_encoding_for_a_third_of_its_time(

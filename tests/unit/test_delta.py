@@ -32,7 +32,14 @@ from weightcast.contract.delta import (
     xor,
 )
 from weightcast.contract.manifest import BlockDigests, FileEntry, Manifest, ManifestError
-from weightcast.contract.sparse_xor import HEADER_BYTES, payload_bound
+from weightcast.contract.sparse_xor import (
+    HEADER_BYTES,
+    apply_streams,
+    check_streams,
+    compile_kernels,
+    encode_streams,
+    payload_bound,
+)
 
 SHA = "ab" * 32
 ENCODERS: dict[str, Callable[..., bytes]] = {
@@ -302,3 +309,17 @@ def test_a_delta_in_a_codec_this_code_does_not_know_parses_and_says_why_it_canno
 def test_a_malformed_delta_is_refused_naming_the_field(change: dict, message: str) -> None:
     with pytest.raises(ManifestError, match=re.escape(message)):
         Manifest.from_json(manifest_with({**GOOD, **change}))
+
+
+def test_the_kernels_compiled_ahead_are_the_ones_a_delta_runs() -> None:
+    """numba compiles a kernel once per argument type: a read-only block (a writer's buffer,
+    a frame's bytes) and a writable one are two. After :func:`compile_kernels` an encode and
+    an apply add none, so a publisher's or a node's first delta compiles nothing (a second
+    type once cost the first publish its delta: it compiled inside the write)."""
+    compile_kernels()
+    kernels = (encode_streams, check_streams, apply_streams)
+    before = [list(kernel.signatures) for kernel in kernels]
+    base = os.urandom(4099)
+    frame = encode_block(memoryview(nearby(base, 3)), base, compressor())
+    apply_block(frame, block(base), decompressor(), in_place=True)
+    assert [list(kernel.signatures) for kernel in kernels] == before
