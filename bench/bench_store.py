@@ -35,6 +35,12 @@ first in turn), medians and the median of the per-round ratios:
   version (ranks 0..7 in turn, every block verified, each rank dropped before the next, so a
   node holds an eighth of the model at once) when told; the time from "go" to the last one
   done against one node alone.
+* ``fanout-delta`` (issue 37): v1 and v2 (``--changed`` percent moved) at tp ``--tp``, v2 with
+  its delta, both uploaded; ``--nodes`` node processes, node ``i`` holding rank ``i % tp`` of
+  v1 (a fleet of ``nodes / tp`` engines), each told at once to update to v2: by delta (its
+  reader keeps its base: only its blocks' frames), against the same nodes reading v2 in full
+  (fresh readers). The bytes the store served (every node's ``bytes_read``) and the slowest
+  node's time, by delta and by full; between rounds each node reads v1 again, untimed.
 * ``--clients``: the S3 client candidates on one ``--clients-mib`` file (s5cmd, obstore, boto3
   and weightcast's own ``S3Store``), put and get, medians. obstore is not a weightcast
   dependency: those figures come from ``--client-python`` (a venv with obstore and boto3).
@@ -89,7 +95,7 @@ from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 
 BUCKET = "bench"
-PARTS = ("publish", "rank", "delta", "fanout")
+PARTS = ("publish", "rank", "delta", "fanout", "fanout-delta")
 TOOLS = Path("/tmp/s3venv/bin")
 
 
@@ -587,6 +593,117 @@ def fanout_part(args: argparse.Namespace, endpoint: str, rank: dict) -> dict:
     return result
 
 
+# fanout-delta
+
+DELTA_NODE = """
+import json, sys, time
+from weightcast.client.reader import VersionReader
+from weightcast.contract.version_info import VersionInfo
+from weightcast.store.factory import open_store
+store = open_store(sys.argv[1])
+v1, v2 = (VersionInfo.from_fields(int(n), json.loads(f)) for n, f in (sys.argv[2:4], sys.argv[4:6]))
+rank, tp = int(sys.argv[6]), int(sys.argv[7])
+holder = VersionReader(store, keep_base=True)
+holder.rank_tensors(v1, rank, tp)
+print("ready", flush=True)
+for line in sys.stdin:
+    reader = holder if line.strip() == "delta" else VersionReader(store)
+    start = time.perf_counter()
+    reader.rank_tensors(v2, rank, tp)
+    seconds = time.perf_counter() - start
+    stats = reader.stats
+    print(json.dumps({"seconds": seconds, "read": stats.bytes_read, "via": stats.via}), flush=True)
+    if reader is holder:
+        holder.rank_tensors(v1, rank, tp)  # back to v1, untimed, for the next round
+    print("ready", flush=True)
+"""
+"""A node holding rank ``argv[6]`` of v1 (``keep_base``): per line on stdin, ``delta`` reads
+v2 with the reader that holds v1, anything else with a fresh reader (in full); prints its
+time, the bytes it read and how."""
+
+
+def fanout_delta_part(
+    args: argparse.Namespace, endpoint: str, snapshot: Snapshot, work: Path
+) -> dict:
+    weights = work / "weights-fan-delta"
+    weights.mkdir()
+    opts = {"tp": args.tp, "delta": True, "delta_behind": "wait"}  # this part measures nodes
+    _, _, v1 = upload(snapshot, weights, endpoint, "fan-delta", 1, **opts)
+    second = moved_copy(snapshot.path, work / "s-fan", args.changed)
+    warm(weights / "v1")
+    _, published, v2 = upload(second, weights, endpoint, "fan-delta", 2, **opts)
+    shutil.rmtree(second.path)
+    delta = published.manifest.delta
+    assert delta is not None, published.no_delta
+    where = location(endpoint, "fan-delta")
+    fields = [str(1), json.dumps(v1.as_fields()), str(2), json.dumps(v2.as_fields())]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-c", DELTA_NODE, where, *fields, str(i % args.tp), str(args.tp)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(args.nodes)
+    ]
+
+    def ready() -> None:
+        for node in nodes:
+            assert node.stdout.readline().strip() == "ready"
+
+    def run(how: str) -> dict:
+        settle()
+        begin = time.perf_counter()
+        for node in nodes:
+            node.stdin.write(f"{how}\n")
+            node.stdin.flush()
+        each = [json.loads(node.stdout.readline()) for node in nodes]
+        seconds = time.perf_counter() - begin
+        ready()  # each node holds v1 again
+        assert all(e["via"] == ("delta" if how == "delta" else "full") for e in each), each
+        return {
+            how: seconds,
+            f"{how}_slowest": max(e["seconds"] for e in each),
+            f"{how}_served": sum(e["read"] for e in each),
+        }
+
+    try:
+        ready()
+        rows = []
+        for round_ in range(args.rounds):
+            rows.append(
+                alternate(round_, {"delta": lambda: run("delta"), "full": lambda: run("full")})
+            )
+            print(f"  fanout-delta round {round_ + 1}: {fmt(rows[-1])}", flush=True)
+    finally:
+        for node in nodes:
+            node.stdin.close()
+            node.wait(timeout=120)
+    result = {
+        "nodes": args.nodes,
+        "changed": args.changed,
+        "delta_bytes": delta.bytes,
+        "version_bytes": v2.bytes,
+        "rows": rows,
+        "delta_slowest_s": med(rows, "delta_slowest"),
+        "full_slowest_s": med(rows, "full_slowest"),
+        "delta_served": med(rows, "delta_served"),
+        "full_served": med(rows, "full_served"),
+        "time_ratio": ratio(rows, "delta", "full"),
+    }
+    served = result["delta_served"] / result["full_served"]
+    print(
+        f"fan-out by delta, {args.changed:g}% of values moved: {args.nodes} nodes "
+        f"({args.nodes // args.tp} tp-{args.tp} engines) update v1 -> v2; the store served "
+        f"{result['delta_served'] / 1e6:.1f} MB by delta, {result['full_served'] / 1e6:.0f} MB "
+        f"by full: {served:.3f}x (goal <= 0.1x); slowest node "
+        f"{result['delta_slowest_s']:.2f} s by delta, {result['full_slowest_s']:.2f} s by full; "
+        f"all done {spread(result['time_ratio'])}",
+        flush=True,
+    )
+    return result
+
+
 # clients
 
 CLIENTS = r"""
@@ -691,7 +808,9 @@ def main() -> None:
     parser.add_argument("--shape", default="0.6B", choices=list(SHAPES))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tp", type=int, default=8, help="rank, fanout: the version's tp")
-    parser.add_argument("--changed", type=float, default=3.0, help="delta: percent moved")
+    parser.add_argument(
+        "--changed", type=float, default=3.0, help="delta, fanout-delta: percent moved"
+    )
     parser.add_argument("--nodes", type=int, default=16, help="fanout: node processes")
     parser.add_argument("--clients", action="store_true", help="also time the S3 clients")
     parser.add_argument("--clients-mib", type=int, default=1024)
@@ -717,7 +836,7 @@ def main() -> None:
             if "publish" in args.parts:
                 figures["publish"] = part(publish_part, args, endpoint, server, work / "publish")
             snapshot = None
-            if {"rank", "delta", "fanout"} & set(args.parts):
+            if {"rank", "delta", "fanout", "fanout-delta"} & set(args.parts):
                 snapshot = write_snapshot(work / "s1", args.shape)
             rank = None
             if {"rank", "fanout"} & set(args.parts):
@@ -727,6 +846,8 @@ def main() -> None:
                 figures["delta"] = part(delta_part, args, endpoint, snapshot, work)
             if "fanout" in args.parts:
                 figures["fanout"] = part(fanout_part, args, endpoint, rank)
+            if "fanout-delta" in args.parts:
+                figures["fanout-delta"] = part(fanout_delta_part, args, endpoint, snapshot, work)
             if args.clients:
                 figures["clients"] = part(clients_part, args, endpoint, work)
     finally:
