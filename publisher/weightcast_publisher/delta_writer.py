@@ -153,7 +153,7 @@ class DeltaSink:
     Frames are written as they become ready, in file and block order: a buffer's frames wait
     in a small reorder buffer only until the frames before them are written, so memory stays
     at the ring's size. The delta file's block digests are computed as it is written (it is
-    not read back). Thread-safe: every pipeline thread calls :meth:`FileFrames.hashed`.
+    not read back). Thread-safe: every pipeline thread calls :meth:`FileFrames.take`.
     """
 
     def __init__(
@@ -353,7 +353,10 @@ class DeltaSink:
 
 
 class FileFrames:
-    """One weights file's frames: what its pipeline calls for each digested buffer."""
+    """One weights file's frames: an optional sink of its pipeline
+    (:class:`~weightcast_publisher.safetensors_writer.BufferSink`), fed each digested buffer."""
+
+    optional = True
 
     def __init__(
         self,
@@ -373,7 +376,7 @@ class FileFrames:
         self.waiting: dict[int, list[bytes]] = {}
         """Frames of later buffers, by their first block, until the earlier ones are written."""
 
-    def hashed(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
+    def take(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
         """Encode ``blocks`` (their bytes: ``data``, from file offset ``offset``; their new
         digests in ``digests``) and hand their frames on. Never raises: an error drops the
         delta."""

@@ -16,20 +16,25 @@ Pieces are gathered into a ring of page-aligned 16 MiB buffers. The calling thre
 them in file order; hash threads take each full buffer, compute the manifest's per-block
 digests of the blocks it holds (no block crosses a buffer boundary, so buffers hash
 independently and in parallel) and check every float tensor's bytes in it for NaN and
-infinity; a writer thread then writes it at its offset with ``O_DIRECT`` (ordinary writes on
-filesystems without it, such as tmpfs). Reading, hashing, checking and the disk overlap, every
-byte is touched once, and memory stays at the ring's size whatever the model's.
+infinity; then every :class:`BufferSink` of the file takes it. Reading, hashing, checking
+and the sinks overlap, every byte is touched once, and memory stays at the ring's size
+whatever the model's.
 
-A :class:`BufferSink` (the version's delta, :mod:`weightcast_publisher.delta_writer`) may take
-each buffer too: the hash thread hands it the buffer's bytes and digests after passing the
-buffer to the writer, so its work overlaps the disk write, and the buffer is free again once
-both are done with it. The sink must never hold the writer for long: while the filling
-thread waits for a free buffer and the writer is done with one the sink still holds, the
-pipeline tells the sink how long it has waited so far (``behind``), and the sink decides
-whether to give up (the delta is dropped, the buffers come free) or to let the write wait
-on. Only those waits count (not, say, the writer idle while both hash threads encode): a
-file of fewer buffers than the ring, and the last buffers of any file, always end with the
-writer waiting on them for a moment, which costs the publish little.
+The sinks are what a buffer is for, each behind the same small interface: the file on disk
+(:class:`DiskFile`, ``O_DIRECT`` at the buffer's offset; ordinary writes on filesystems
+without it, such as tmpfs), its copy in the object store (:class:`UploadParts`, one part a
+buffer: no second pass over the file) and the version's delta
+(:mod:`weightcast_publisher.delta_writer`). The pipeline knows only whether a sink is
+``optional``. The others run in one writer thread, in their order, and an error of theirs
+fails the write. An optional one runs in the hash thread that checked the buffer, after the
+buffer went to the writer, so its work overlaps the disk; it must not raise, and it must not
+hold the writer for long: while the filling thread waits for a free buffer and the writer is
+done with one an optional sink still holds, the pipeline tells that sink how long it has
+waited so far (``behind``), and the sink decides whether to give up (the delta is dropped,
+the buffers come free) or to let the write wait on. Only those waits count (not, say, the
+writer idle while both hash threads encode): a file of fewer buffers than the ring, and the
+last buffers of any file, always end with the writer waiting on them for a moment, which
+costs the publish little. A buffer is free again once every sink is done with it.
 """
 
 from __future__ import annotations
@@ -81,23 +86,80 @@ assert BUFFER_BYTES % BLOCK_BYTES == 0 and BUFFER_BYTES % _ALIGN == 0
 
 
 class BufferSink(Protocol):
-    """What takes a file's buffers once their blocks are digested (the delta's encoder)."""
+    """What takes each buffer of a file once its blocks are digested and its floats checked."""
 
-    def hashed(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
+    optional: bool
+    """False: the write needs it (it runs in the writer thread; an error fails the write).
+    True: it rides along (it runs in a hash thread, must not raise, is told when it holds
+    the write: :meth:`behind`)."""
+
+    def take(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
         """``data`` (file offset ``offset``) holds ``blocks`` whole, their new ``digests``
-        filled in; called from several threads, buffers in any order; must not raise."""
+        filled in; buffers in any order (an optional sink's from several threads at once);
+        ``data`` is the ring's, reused once this returns."""
 
     def behind(self, seconds: float) -> None:
-        """The ring has waited ``seconds`` more on this sink (the writer is done with a
-        buffer the sink still holds): give up (and return from :meth:`hashed` at once from
-        then on) or let it wait. Called again every :data:`BEHIND_SLICE` of a wait."""
+        """An optional sink: the ring has waited ``seconds`` more on it (the writer is done
+        with a buffer this sink still holds): give up (and return from :meth:`take` at once
+        from then on) or let it wait. Called again every :data:`BEHIND_SLICE` of a wait."""
 
 
 class FileSinks(Protocol):
-    """Who gives a :class:`BufferSink` per file (the version's delta)."""
+    """Who gives an optional :class:`BufferSink` per file (the version's delta)."""
 
     def file(self, name: str, size: int, blocks: BlockDigests) -> BufferSink | None:
         """The sink of file ``name`` (``size`` bytes cut into ``blocks``), or None."""
+
+
+class DiskFile:
+    """The file on disk: each buffer written at its offset, with ``O_DIRECT`` where the
+    filesystem takes it (:func:`_open_output`). ``O_DIRECT`` writes whole 4 KiB pages, so
+    the file's last, short buffer is written padded with zeros from the rest of its ring
+    buffer (``data`` always starts one) and the file truncated to its size afterwards."""
+
+    optional = False
+
+    def __init__(self, fd: int, direct: bool) -> None:
+        self.fd, self.direct = fd, direct
+
+    def take(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
+        view, n = data, len(data)
+        if self.direct and n % _ALIGN:  # the last buffer: padded, truncated at the end
+            view = memoryview(data.obj)[: n + (-n % _ALIGN)]  # type: ignore[arg-type]
+            view[n:] = bytes(len(view) - n)
+            n = len(view)
+        done = 0
+        while done < n:
+            try:
+                done += os.pwrite(self.fd, view[done:n], offset + done)
+            except OSError as exc:
+                if not self.direct or exc.errno != errno.EINVAL:
+                    raise
+                self._drop_direct()
+
+    def behind(self, seconds: float) -> None:
+        raise AssertionError("the disk file is not optional")
+
+    def _drop_direct(self) -> None:
+        """A filesystem that accepted O_DIRECT at open but not for this write: go buffered."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+        self.direct = False
+
+
+class UploadParts:
+    """The file's copy in the object store: each buffer one part of the upload."""
+
+    optional = False
+
+    def __init__(self, upload: PartUpload) -> None:
+        self.upload = upload
+
+    def take(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
+        self.upload.part(offset // BUFFER_BYTES + 1, data)
+
+    def behind(self, seconds: float) -> None:
+        raise AssertionError("the upload is not optional")
 
 
 class SourceEnded(WeightcastError, OSError):
@@ -197,11 +259,14 @@ def write_safetensors(
         spans.append(TensorSpan(t.name, t.dtype, t.shape, at, at + t.nbytes))
         readers += _readers(at, t)
         at += t.nbytes
-    lengths = block_lengths(at, readers)
+    blocks = _blocks(at, digest, block_lengths(at, readers))
     fd, direct = _open_output(path)
     try:
+        written: list[BufferSink] = [DiskFile(fd, direct)]
+        if upload is not None:
+            written.append(UploadParts(upload))
         with _Pipeline(
-            at, spans, digest, fd, direct, lengths, sinks, name or path.name, upload
+            at, spans, blocks, _sinks(written, sinks, name or path.name, at, blocks)
         ) as pipeline:
             pipeline.append(memoryview(header))
             for t in order:
@@ -211,7 +276,21 @@ def write_safetensors(
         os.fsync(fd)
     finally:
         os.close(fd)
-    return FileEntry(name or path.name, at, blocks=pipeline.digests)
+    return FileEntry(name or path.name, at, blocks=blocks)
+
+
+def _blocks(size: int, digest: str, lengths: list[int] | None) -> BlockDigests:
+    """A file's blocks, their digests to be filled in by the pipeline."""
+    count = -(-size // BLOCK_BYTES) if lengths is None else len(lengths)
+    return BlockDigests(digest, BLOCK_BYTES, [""] * count, lengths)
+
+
+def _sinks(
+    sinks: list[BufferSink], more: FileSinks | None, name: str, size: int, blocks: BlockDigests
+) -> list[BufferSink]:
+    """``sinks``, and ``more``'s for file ``name`` (``size`` bytes) when it has one."""
+    extra = more.file(name, size, blocks) if more is not None else None
+    return sinks if extra is None else [*sinks, extra]
 
 
 _EVERY_READER = "every reader"
@@ -260,9 +339,10 @@ def digest_file(
     """The manifest entry of an existing file (one read), its float ``spans`` checked, its
     buffers handed to ``sinks``' sink for it."""
     size = os.path.getsize(path)
-    with _Pipeline(size, spans, digest, None, False, None, sinks, name) as pipeline:
+    blocks = _blocks(size, digest, None)
+    with _Pipeline(size, spans, blocks, _sinks([], sinks, name, size, blocks)) as pipeline:
         pipeline.copy(FileRange(path, 0, size))
-    return FileEntry(name, size, blocks=pipeline.digests)
+    return FileEntry(name, size, blocks=blocks)
 
 
 def link_file(source: Path, target: Path) -> str:
@@ -290,42 +370,33 @@ _FICLONE = 0x40049409
 
 
 class _Pipeline:
-    """Fill here; hash and check in ``HASH_THREADS`` threads (then hand to the file's
-    sink, if any); write in one more."""
+    """Fill here; hash and check in ``HASH_THREADS`` threads, which then hand each buffer to
+    the optional sinks; the other sinks in one writer thread."""
 
     def __init__(
         self,
         size: int,
         spans: Sequence[TensorSpan],
-        digest: str,
-        fd: int | None,
-        direct: bool,
-        lengths: list[int] | None = None,
-        sinks: FileSinks | None = None,
-        name: str = "",
-        upload: PartUpload | None = None,
+        blocks: BlockDigests,
+        sinks: Sequence[BufferSink],
     ) -> None:
         self.size = size
-        self.upload = upload
-        self.algorithm = digest
-        self.lengths = lengths
-        self.fd, self.direct = fd, direct
         self.floats = [s for s in spans if s.dtype in NON_FINITE and s.stop > s.start]
         for span in self.floats:
             if span.start % DTYPE_SIZES[span.dtype]:
                 raise ValueError(f"{span.name}: not aligned to its element size in the file")
         self.starts = [s.start for s in self.floats]
-        count = -(-size // BLOCK_BYTES) if lengths is None else len(lengths)
-        self.block_digests: list[str] = [""] * count
-        self.blocks = BlockDigests(digest, BLOCK_BYTES, self.block_digests, lengths)
-        """Where each block is (its digests are filled in as buffers are hashed)."""
-        self.sink = sinks.file(name, size, self.blocks) if sinks is not None else None
-        self.holders = 1 if self.sink is None else 2
-        """Who must be done with a buffer before it is refilled: the writer, and the sink."""
+        self.blocks = blocks
+        """Where each block is; its digests are filled in as buffers are hashed."""
+        self.needed = [sink for sink in sinks if not sink.optional]
+        self.optional = [sink for sink in sinks if sink.optional]
+        self.holders = 1 + len(self.optional)
+        """Who must be done with a buffer before it is refilled: the writer thread (for the
+        needed sinks), and each optional sink."""
         self.done = [0] * BUFFERS
         self.done_lock = threading.Lock()
-        self.sink_only: set[int] = set()
-        """Buffers the writer is done with and the sink is not."""
+        self.held: set[int] = set()
+        """Buffers the writer is done with and an optional sink is not."""
 
         self.buffers = [mmap.mmap(-1, BUFFER_BYTES) for _ in range(BUFFERS)]
         self.free: queue.Queue[int] = queue.Queue()
@@ -344,10 +415,6 @@ class _Pipeline:
             for i in range(HASH_THREADS)
         ]
         self.writer = threading.Thread(target=self._write_loop, name="weightcast-writer")
-
-    @property
-    def digests(self) -> BlockDigests:
-        return BlockDigests(self.algorithm, BLOCK_BYTES, self.block_digests, self.lengths)
 
     def __enter__(self) -> _Pipeline:
         for thread in [*self.hashers, self.writer]:
@@ -459,8 +526,8 @@ class _Pipeline:
         self.filled = 0
 
     def _next_free(self) -> int:
-        """The next free buffer; a wait while the sink alone holds a buffer is reported to
-        it, slice by slice (the last, shorter one too)."""
+        """The next free buffer; a wait while an optional sink alone holds a buffer is
+        reported to the optional sinks, slice by slice (the last, shorter one too)."""
         with contextlib.suppress(queue.Empty):
             return self.free.get_nowait()
         waited = 0.0
@@ -468,15 +535,15 @@ class _Pipeline:
             if self.error is not None:
                 raise self.error
             with self.done_lock:
-                behind = bool(self.sink_only)
+                behind = bool(self.held)
             start = time.monotonic()
             try:
                 index: int | None = self.free.get(timeout=BEHIND_SLICE)
             except queue.Empty:
                 index = None
-            if behind:  # the wait is the sink's
-                assert self.sink is not None
-                self.sink.behind(time.monotonic() - start)
+            if behind:  # the wait is an optional sink's
+                for sink in self.optional:
+                    sink.behind(time.monotonic() - start)
             if index is not None:
                 return index
             waited += BEHIND_SLICE
@@ -489,7 +556,8 @@ class _Pipeline:
         return self.sources[file]
 
     def _hash_loop(self) -> None:
-        """Digest the blocks of each buffer and check its floats, then pass it on."""
+        """Digest the blocks of each buffer and check its floats, then pass it on: to the
+        writer, then to each optional sink."""
         scratch = np.empty(_CHECK_BYTES, dtype=np.uint8)
         while (item := self.to_hash.get()) is not None:
             index, offset, n = item
@@ -500,32 +568,31 @@ class _Pipeline:
             except BaseException as exc:  # handed to the filling thread
                 self.error = exc
             self.to_write.put(item)
-            if self.sink is not None:
-                self._to_sink(index, offset, n)
+            for sink in self.optional:
+                try:
+                    if self.error is None:
+                        self._give(sink, index, offset, n)
+                finally:
+                    self._release(index)
 
-    def _to_sink(self, index: int, offset: int, n: int) -> None:
-        """Hand the digested buffer to the sink while the writer writes it."""
-        assert self.sink is not None
-        try:
-            if self.error is None:
-                with memoryview(self.buffers[index]) as view, view[:n] as data:
-                    blocks = self.blocks.block_range(offset, offset + n)
-                    self.sink.hashed(offset, data, blocks, self.block_digests)
-        finally:
-            self._release(index)
+    def _give(self, sink: BufferSink, index: int, offset: int, n: int) -> None:
+        """Buffer ``index`` (file offset ``offset``, ``n`` bytes) to ``sink``."""
+        with memoryview(self.buffers[index]) as view, view[:n] as data:
+            blocks = self.blocks.block_range(offset, offset + n)
+            sink.take(offset, data, blocks, self.blocks.digests)
 
     def _release(self, index: int, writer: bool = False) -> None:
-        """One holder (the ``writer``, or the sink) is done with buffer ``index``; the last
-        one frees it. The writer done first: the sink alone holds it, and a wait for a free
-        buffer is the sink's until it is done too."""
+        """One holder (the ``writer``, or an optional sink) is done with buffer ``index``;
+        the last one frees it. The writer done first: an optional sink alone holds it, and a
+        wait for a free buffer is that sink's until it is done too."""
         with self.done_lock:
             self.done[index] += 1
             last = self.done[index] == self.holders
             if last:
                 self.done[index] = 0
-                self.sink_only.discard(index)
+                self.held.discard(index)
             elif writer:
-                self.sink_only.add(index)
+                self.held.add(index)
         if last:
             self.free.put(index)
 
@@ -534,9 +601,9 @@ class _Pipeline:
         try:
             for block in self.blocks.block_range(offset, offset + n):
                 start, stop = self.blocks.span(block, self.size)
-                hasher = new_hasher(self.algorithm)
+                hasher = new_hasher(self.blocks.algorithm)
                 hasher.update(view[start - offset : stop - offset])
-                self.block_digests[block] = hasher.hexdigest()
+                self.blocks.digests[block] = hasher.hexdigest()
         finally:
             view.release()
 
@@ -553,41 +620,16 @@ class _Pipeline:
             i += 1
 
     def _write_loop(self) -> None:
+        """The needed sinks, in their order, buffer by buffer."""
         while (item := self.to_write.get()) is not None:
             index, offset, n = item
             try:
-                if self.error is None and self.upload is not None:
-                    with memoryview(self.buffers[index]) as view:
-                        self.upload.part(offset // BUFFER_BYTES + 1, view[:n])
-                if self.error is None and self.fd is not None:
-                    self._write(memoryview(self.buffers[index]), offset, n)
+                for sink in self.needed:
+                    if self.error is None:
+                        self._give(sink, index, offset, n)
             except BaseException as exc:  # handed to the filling thread
                 self.error = exc
             self._release(index, writer=True)
-
-    def _write(self, view: memoryview, offset: int, n: int) -> None:
-        assert self.fd is not None
-        try:
-            if self.direct and n % _ALIGN:
-                view[n : n + (-n % _ALIGN)] = bytes(-n % _ALIGN)  # truncated at the end
-                n += -n % _ALIGN
-            done = 0
-            while done < n:
-                try:
-                    done += os.pwrite(self.fd, view[done:n], offset + done)
-                except OSError as exc:
-                    if not self.direct or exc.errno != errno.EINVAL:
-                        raise
-                    self._drop_direct()
-        finally:
-            view.release()
-
-    def _drop_direct(self) -> None:
-        """A filesystem that accepted O_DIRECT at open but not for this write: go buffered."""
-        assert self.fd is not None
-        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
-        self.direct = False
 
 
 def _non_finite(

@@ -285,7 +285,7 @@ def test_frames_fed_out_of_order_are_written_in_block_order(tmp_path: Path) -> N
     for offset in reversed(buffers):
         stop = min(offset + BUFFER_BYTES, entry.bytes)
         blocks = entry.blocks.block_range(offset, stop)
-        frames.hashed(offset, data[offset:stop], blocks, entry.blocks.digests)
+        frames.take(offset, data[offset:stop], blocks, entry.blocks.digests)
     finished = sink.finish()
     assert finished is not None
     delta, delta_entry = finished
@@ -524,7 +524,7 @@ def test_a_delta_that_stops_paying_is_dropped_after_its_first_16_mib(tmp_path: P
     data = memoryview((v2.path / name).read_bytes())
     for offset in range(0, entry.bytes, BUFFER_BYTES):
         stop = min(offset + BUFFER_BYTES, entry.bytes)
-        frames.hashed(
+        frames.take(
             offset, data[offset:stop], entry.blocks.block_range(offset, stop), entry.blocks.digests
         )
         if offset == 0:
