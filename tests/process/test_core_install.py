@@ -112,6 +112,7 @@ def test_the_wheel_holds_the_three_packages_by_role(tmp_path: Path) -> None:
     ]
     assert sorted(r.split(">")[0].split("=")[0].split("<")[0] for r in requires) == [
         "boto3",
+        "numba",
         "numpy",
         "redis",
         "safetensors",
