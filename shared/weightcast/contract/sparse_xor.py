@@ -104,6 +104,25 @@ def encode_streams(new: np.ndarray, base: np.ndarray, out: np.ndarray) -> tuple[
 
 
 @njit(nogil=True, cache=True)
+def _get_gap(gaps: np.ndarray, at: int) -> tuple[int, int]:
+    """The gap that begins at ``gaps[at]`` and where the next one begins; the gap is -1 when
+    the stream ends inside it, -2 when it runs longer than :data:`GAP_BYTES`."""
+    gap = 0
+    shift = 0
+    while True:
+        if at >= gaps.size:
+            return -1, at
+        if shift > 7 * (GAP_BYTES - 1):
+            return -2, at
+        byte = gaps[at]
+        at += 1
+        gap |= (byte & 127) << shift
+        shift += 7
+        if byte < 128:
+            return gap, at
+
+
+@njit(nogil=True, cache=True)
 def check_streams(gaps: np.ndarray, masks: np.ndarray, values: np.ndarray, size: int) -> int:
     """0 when the streams describe a change of a block of ``size`` bytes exactly (every gap
     at least 1 and at most 3 bytes, every word inside the block, every mask naming at least
@@ -117,20 +136,10 @@ def check_streams(gaps: np.ndarray, masks: np.ndarray, values: np.ndarray, size:
     at = 0
     named = 0
     for j in range(masks.size):
-        gap = 0
-        shift = 0
-        while True:
-            if at >= gaps.size:
-                return 1
-            if shift > 7 * (GAP_BYTES - 1):
-                return 2
-            byte = gaps[at]
-            at += 1
-            gap |= (byte & 127) << shift
-            shift += 7
-            if byte < 128:
-                break
-        if gap == 0:
+        gap, at = _get_gap(gaps, at)
+        if gap == -1:
+            return 1
+        if gap <= 0:
             return 2
         word += gap
         if word >= words:
@@ -168,15 +177,7 @@ def apply_streams(gaps: np.ndarray, masks: np.ndarray, values: np.ndarray, block
     at = 0
     value_at = 0
     for j in range(masks.size):
-        gap = 0
-        shift = 0
-        while True:
-            byte = gaps[at]
-            at += 1
-            gap |= (byte & 127) << shift
-            shift += 7
-            if byte < 128:
-                break
+        gap, at = _get_gap(gaps, at)
         word += gap
         mask = masks[j]
         start = word * 8
