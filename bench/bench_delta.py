@@ -258,11 +258,11 @@ from pathlib import Path
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 from weightcast.contract.snapshot_format import SnapshotInfo
-from weightcast.contract.sparse_xor import compile_kernels
 snapshot, weights, delta = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3] == "on"
 behind = sys.argv[4]
-if delta:
-    compile_kernels()  # as the daemon does at its start
+if delta:  # as the daemon does at its start
+    from weightcast.contract.sparse_xor import compile_kernels
+    compile_kernels()
 start = time.perf_counter()
 published = convert(Snapshot(snapshot, SnapshotInfo.read(snapshot)), weights, 2,
                     ConvertOptions(delta=delta, delta_behind=behind))

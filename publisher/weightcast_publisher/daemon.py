@@ -49,7 +49,6 @@ from weightcast.contract.manifest import (
 )
 from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.snapshot_format import snapshot_step
-from weightcast.contract.sparse_xor import compile_kernels
 from weightcast.contract.version_info import VersionInfo, dir_version, version_dir_name
 from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
@@ -121,7 +120,9 @@ class Publisher:
             delta_behind=cfg.delta_behind,
             quantize=cfg.quantize,
         )
-        if cfg.delta:
+        if cfg.delta:  # numba only where deltas are on (some 60 MB and 0.2 s to import)
+            from weightcast.contract.sparse_xor import compile_kernels
+
             compile_kernels()
         self.checkpoint_dir = Path(config.common.checkpoint_dir)
         self.weights_dir = Path(config.common.weights_dir)
