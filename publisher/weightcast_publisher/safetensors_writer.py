@@ -123,15 +123,21 @@ class DiskFile:
         self.fd, self.direct = fd, direct
 
     def take(self, offset: int, data: memoryview, blocks: range, digests: Sequence[str]) -> None:
-        view, n = data, len(data)
-        if self.direct and n % _ALIGN:  # the last buffer: padded, truncated at the end
-            view = memoryview(data.obj)[: n + (-n % _ALIGN)]  # type: ignore[arg-type]
-            view[n:] = bytes(len(view) - n)
-            n = len(view)
+        n = len(data)
+        if not self.direct or n % _ALIGN == 0:
+            self._write(data, offset)
+            return
+        # The last buffer: padded, truncated at the end. Every view is released on the way
+        # out, an error's too (a traceback that kept one would stop the ring from closing).
+        with memoryview(data.obj) as whole, whole[: n + (-n % _ALIGN)] as padded:  # type: ignore[arg-type]
+            padded[n:] = bytes(len(padded) - n)
+            self._write(padded, offset)
+
+    def _write(self, view: memoryview, offset: int) -> None:
         done = 0
-        while done < n:
+        while done < len(view):
             try:
-                done += os.pwrite(self.fd, view[done:n], offset + done)
+                done += os.pwrite(self.fd, view[done:], offset + done)
             except OSError as exc:
                 if not self.direct or exc.errno != errno.EINVAL:
                     raise
