@@ -214,23 +214,31 @@ def engine_args(model: str | Path, tp: int = 1, backend: bool = True) -> dict[st
 
 
 def greedy(llm: Any) -> list[dict[str, Any]]:
-    """Greedy tokens and the log-probability of every prompt token, for :data:`PROMPTS`."""
+    """Greedy tokens and the log-probability of every prompt token, for :data:`PROMPTS`.
+
+    One prompt per ``generate``, as ``vllm serve`` answers one request at a time
+    (:meth:`Server.greedy`): a batch of prompts runs other kernel shapes, and with the
+    near-uniform logits of random weights a near-tie can then come out the other way (the
+    0.6B serve walk's prompt ``[3] * 12`` at its version 2, on an AMD EPYC without AMX,
+    against references generated as one batch)."""
     from vllm import SamplingParams
 
     params = SamplingParams(
         temperature=0, max_tokens=12, prompt_logprobs=0, logprobs=0, detokenize=False
     )
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    return [
-        {
-            "tokens": list(o.outputs[0].token_ids),
-            "prompt_logprobs": [
-                None if d is None else d[t].logprob
-                for t, d in zip(p, o.prompt_logprobs, strict=True)
-            ],
-        }
-        for p, o in zip(PROMPTS, outputs, strict=True)
-    ]
+    results = []
+    for prompt in PROMPTS:
+        (output,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        results.append(
+            {
+                "tokens": list(output.outputs[0].token_ids),
+                "prompt_logprobs": [
+                    None if d is None else d[t].logprob
+                    for t, d in zip(prompt, output.prompt_logprobs, strict=True)
+                ],
+            }
+        )
+    return results
 
 
 @contextlib.contextmanager
