@@ -181,24 +181,14 @@ def encode_block(
     array; neither block is changed."""
     import numpy as np
 
-    from weightcast.contract.sparse_xor import GAP_BYTES, HEADER_BYTES, encode_streams, word_count
+    from weightcast.contract.sparse_xor import pack_payload
 
     left, right = _readonly(new), _readonly(base)
     if left.size != right.size:
         raise DeltaError(f"XOR of {left.size} bytes with {right.size}")
     need = scratch_bytes(left.size)
     out = np.empty(need, np.uint8) if scratch is None or scratch.size < need else scratch
-    changed, gap_bytes, value_bytes = encode_streams(left, right, out)
-    masks_at = HEADER_BYTES + GAP_BYTES * word_count(left.size)
-    values_at = masks_at + word_count(left.size)
-    # Packed: header, gaps, masks, values (the masks and values move down over the room
-    # their streams were given).
-    out[:HEADER_BYTES].view("<u4")[:] = (changed, gap_bytes, value_bytes)
-    at = HEADER_BYTES + gap_bytes
-    out[at : at + changed] = out[masks_at : masks_at + changed]
-    at += changed
-    out[at : at + value_bytes] = out[values_at : values_at + value_bytes]
-    return compressor.compress(out[: at + value_bytes].data)
+    return compressor.compress(out[: pack_payload(left, right, out)].data)
 
 
 def _readonly(data: bytes | memoryview | np.ndarray) -> np.ndarray:
@@ -237,11 +227,10 @@ def frame_bound(block_bytes: Any, codec: str = DELTA_CODEC) -> Any:
     """The most bytes a frame of a ``block_bytes`` block takes (zstd's
     ``ZSTD_COMPRESSBOUND`` of what it holds decoded; of each, for an array): a longer frame
     is no frame of that block, and is refused before it is read."""
-    from weightcast.contract.sparse_xor import GAP_BYTES, HEADER_BYTES
+    from weightcast.contract.sparse_xor import payload_bound
 
-    if codec == SPARSE_CODEC:  # payload_bound, for an array too
-        words = (block_bytes + 7) // 8
-        block_bytes = HEADER_BYTES + (GAP_BYTES + 1) * words + block_bytes
+    if codec == SPARSE_CODEC:
+        block_bytes = payload_bound(block_bytes)
     small = 128 * 1024
     return (
         block_bytes + (block_bytes >> 8) + (((small - block_bytes) * (block_bytes < small)) >> 11)
@@ -275,10 +264,10 @@ def apply_block(
     import numpy as np
 
     size = base.size
-    need = scratch_bytes(size, codec)
-    room = np.empty(need, np.uint8) if scratch is None or scratch.size < need else scratch
     if len(frame) > frame_bound(size, codec):
         raise DeltaError(f"a delta frame of {len(frame)} bytes is too long for a block of {size}")
+    need = scratch_bytes(size, codec)
+    room = np.empty(need, np.uint8) if scratch is None or scratch.size < need else scratch
     if codec == ZSTD_CODEC:
         change = room[:size]
         _unzstd_into(frame, change, decompressor, _declared(frame, size, size, exact=False))
@@ -290,6 +279,7 @@ def apply_block(
         STREAM_ERRORS,
         apply_streams,
         check_streams,
+        split_payload,
     )
 
     length = _declared(frame, need, size, exact=True)
@@ -297,15 +287,10 @@ def apply_block(
         raise DeltaError(f"a delta frame holds {length} bytes, less than its header")
     payload = room[:length]
     _unzstd_into(frame, payload, decompressor, length)
-    changed, gap_bytes, value_bytes = (int(n) for n in payload[:HEADER_BYTES].view("<u4"))
-    if HEADER_BYTES + gap_bytes + changed + value_bytes != length:
-        raise DeltaError(
-            f"a delta frame's header says {changed} words, {gap_bytes} gap bytes and "
-            f"{value_bytes} value bytes, not the {length - HEADER_BYTES} bytes it holds"
-        )
-    gaps = payload[HEADER_BYTES : HEADER_BYTES + gap_bytes]
-    masks = payload[HEADER_BYTES + gap_bytes : HEADER_BYTES + gap_bytes + changed]
-    values = payload[HEADER_BYTES + gap_bytes + changed :]
+    streams = split_payload(payload)
+    if isinstance(streams, str):
+        raise DeltaError(streams)
+    gaps, masks, values = streams
     broken = check_streams(gaps, masks, values, size)
     if broken:
         raise DeltaError(f"a delta frame does not fit its block of {size}: {STREAM_ERRORS[broken]}")

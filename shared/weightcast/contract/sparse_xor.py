@@ -20,6 +20,8 @@ apply threads run in parallel); the framing around them is :mod:`weightcast.cont
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba import njit
 
@@ -35,16 +37,49 @@ _LOWEST = np.array([0] + [(m & -m).bit_length() - 1 for m in range(1, 256)], np.
 """The lowest set bit of each mask: the encoder visits only the bytes that changed."""
 
 
-def word_count(size: int) -> int:
-    """Words of a block of ``size`` bytes: 8 bytes each, and one for a short tail."""
+def word_count(size: Any) -> Any:
+    """Words of a block of ``size`` bytes (of each, for an array): 8 bytes each, and one for
+    a short tail."""
     return -(-size // 8)
 
 
-def payload_bound(size: int) -> int:
-    """The most bytes the payload of a block of ``size`` bytes can hold: every word changed,
-    every gap at its longest (an encoder writes far less; a decoder allocates no more)."""
+def payload_bound(size: Any) -> Any:
+    """The most bytes the payload of a block of ``size`` bytes (of each, for an array) can
+    hold: every word changed, every gap at its longest (an encoder writes far less; a
+    decoder allocates no more)."""
     words = word_count(size)
     return HEADER_BYTES + GAP_BYTES * words + words + size
+
+
+def pack_payload(new: np.ndarray, base: np.ndarray, out: np.ndarray) -> int:
+    """The payload of ``new XOR base`` (uint8 blocks of one size) in ``out`` (uint8, at
+    least :func:`payload_bound` of the size): the header, then gaps, masks and values, one
+    after the other; its length. (:func:`encode_streams` writes each stream into its own
+    room; they are moved down here.)"""
+    changed, gap_bytes, value_bytes = encode_streams(new, base, out)
+    words = word_count(new.size)
+    masks_at = HEADER_BYTES + GAP_BYTES * words
+    values_at = masks_at + words
+    out[:HEADER_BYTES].view("<u4")[:] = (changed, gap_bytes, value_bytes)
+    at = HEADER_BYTES + gap_bytes
+    out[at : at + changed] = out[masks_at : masks_at + changed]
+    at += changed
+    out[at : at + value_bytes] = out[values_at : values_at + value_bytes]
+    return at + value_bytes
+
+
+def split_payload(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | str:
+    """The gaps, masks and values of a payload (at least its header long), or why its
+    header does not add up to its length."""
+    changed, gap_bytes, value_bytes = (int(n) for n in payload[:HEADER_BYTES].view("<u4"))
+    if HEADER_BYTES + gap_bytes + changed + value_bytes != payload.size:
+        return (
+            f"a delta frame's header says {changed} words, {gap_bytes} gap bytes and "
+            f"{value_bytes} value bytes, not the {payload.size - HEADER_BYTES} bytes it holds"
+        )
+    masks_at = HEADER_BYTES + gap_bytes
+    values_at = masks_at + changed
+    return payload[HEADER_BYTES:masks_at], payload[masks_at:values_at], payload[values_at:]
 
 
 @njit(nogil=True, cache=True)
