@@ -54,7 +54,7 @@ from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.observability import Health, serve
 from weightcast.runtime.redis_client import redis_client
-from weightcast.runtime.retry import REDIS_DOWN, Backoff, Outage
+from weightcast.runtime.retry import REDIS_DOWN, Outage, Retries
 from weightcast.runtime.stop import StopRequest
 from weightcast.store.base import RemoteStore
 from weightcast.store.factory import open_store
@@ -151,7 +151,7 @@ class Publisher:
         self.warming: threading.Thread | None = None
         """The read of the last version back into the page cache (the next delta's base)."""
         self.outage = Outage(budget=config.common.redis_retry_seconds, cap=cfg.retry_max_seconds)
-        self.disk = Backoff(cap=cfg.retry_max_seconds)
+        self.disk = Retries(cap=cfg.retry_max_seconds)
         """The back-off of a failing disk (full, read-only) or store (down, full), retried
         without end."""
         self.last_error = ""
@@ -614,7 +614,7 @@ class Publisher:
         """Count a store failure (down past store_retry_seconds, or full); the back-off."""
         kind = "store_full" if isinstance(exc, StoreFull) else "store"
         self.metrics.errors.labels(kind).inc()
-        delay = self.disk.next()
+        delay = self.disk.failed()
         self.last_error = f"{kind}: {exc}"
         log.error("object store error; retrying", error=str(exc), retry_in=delay)
         return delay
@@ -622,7 +622,7 @@ class Publisher:
     def _disk_failed(self, exc: OSError) -> float:
         """Count a filesystem failure; the back-off before the next try."""
         self.metrics.errors.labels("disk").inc()
-        delay = self.disk.next()
+        delay = self.disk.failed()
         self.last_error = f"disk: {exc}"
         log.error("filesystem error; retrying", error=exc, retry_in=delay)
         return delay

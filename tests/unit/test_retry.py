@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 
 from weightcast.contract.errors import RedisAccessDenied, RedisUnavailable
-from weightcast.runtime.retry import Backoff, Outage
+from weightcast.runtime.retry import Outage, Retries
 
 
 def test_retries_with_doubling_pauses_until_redis_answers() -> None:
@@ -67,8 +69,18 @@ def test_a_refused_password_or_permission_is_a_mistake_not_an_outage(
 
 
 def test_backoff_doubles_up_to_its_cap_and_starts_over_after_a_success() -> None:
-    backoff = Backoff(first=1.0, cap=5.0)
-    assert [backoff.next() for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
-    assert backoff.failures == 5
-    backoff.reset()
-    assert backoff.next() == 1.0
+    retries = Retries(first=1.0, cap=5.0)
+    assert [retries.failed() for _ in range(5)] == [1.0, 2.0, 4.0, 5.0, 5.0]
+    assert retries.failures == 5 and not retries.spent  # no budget: retried without end
+    retries.reset()
+    assert retries.failed() == 1.0
+
+
+def test_a_pause_never_runs_past_the_budget_counted_from_the_start_given() -> None:
+    start = time.monotonic()
+    retries = Retries(first=1.0, cap=5.0, budget=0.5, since=start - 0.2)
+    pause = retries.failed()
+    assert 0.0 < pause <= 0.3 and not retries.spent
+    retries.since = start - 1.0
+    retries.failed()
+    assert retries.spent and retries.waited >= 1.0

@@ -30,7 +30,7 @@ from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.heartbeat import Heartbeat
 from weightcast.runtime.logs import get_logger
-from weightcast.runtime.retry import Backoff
+from weightcast.runtime.retry import Retries
 from weightcast_trainer import collectives
 from weightcast_trainer.resume import (
     IncompleteCheckpoint,
@@ -231,7 +231,7 @@ class ResumeCheckpoints:
         to train again. ``report`` refreshes the heartbeat between tries.
         """
         seen = signals()
-        backoff = Backoff(first=1.0, cap=FINAL_RETRY_MAX_S)
+        retries = Retries(first=1.0, cap=FINAL_RETRY_MAX_S)  # no budget: until a signal
         while True:
             self.save()
             self.settle()
@@ -245,7 +245,7 @@ class ResumeCheckpoints:
                     f"since step {self.durable_step} stay pending and are trained again by the "
                     "next run"
                 )
-            pause = backoff.next()
+            pause = retries.failed()
             log.warning("retrying the last resume checkpoint", retry_in=pause)
             report()
             time.sleep(pause)

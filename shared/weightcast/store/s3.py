@@ -14,7 +14,7 @@ The store's root is ``s3://bucket/prefix``; version ``v17`` is the objects under
   refused rather than mixed.
 
 Every call goes through :meth:`S3Store.call`: throttling, 5xx answers and lost connections
-are retried with capped exponential back-off (:class:`~weightcast.runtime.retry.Backoff`) for
+are retried with capped exponential back-off (:class:`~weightcast.runtime.retry.Retries`) for
 ``retry_seconds``, then raise :class:`StoreUnavailable`; a refused credential, a missing
 bucket or a 403 raises :class:`StoreAccessDenied` at once (:mod:`weightcast.store.s3_replies`).
 
@@ -61,7 +61,7 @@ from weightcast.contract.errors import (
 from weightcast.contract.manifest import MANIFEST_NAME
 from weightcast.contract.version_info import dir_version
 from weightcast.runtime.logs import get_logger
-from weightcast.runtime.retry import Backoff
+from weightcast.runtime.retry import Retries
 from weightcast.store.base import Identity, RemoteStore
 from weightcast.store.directory import plain_name
 from weightcast.store.s3_replies import UnusableReply, store_error
@@ -177,8 +177,7 @@ class S3Store(RemoteStore):
     def call(self, what: str, fn: Callable[[], T]) -> T:
         """``fn()``, retried through an outage of the store (see the module doc); each try
         ends within ``request_seconds`` (:data:`DEADLINE`)."""
-        backoff = Backoff(0.2, 5.0)
-        since = time.monotonic()
+        retries = Retries(0.2, 5.0, self.retry_seconds, since=time.monotonic())
         while True:
             try:
                 DEADLINE.at = time.monotonic() + self.request_seconds
@@ -189,10 +188,11 @@ class S3Store(RemoteStore):
                 error = store_error(exc, f"{self.label}: {what}")
                 if error is None:
                     raise
-                waited = time.monotonic() - since
-                if not isinstance(error, StoreUnavailable) or waited >= self.retry_seconds:
+                if not isinstance(error, StoreUnavailable):
                     raise error from None
-                pause = min(backoff.next(), self.retry_seconds - waited)
+                pause = retries.failed()
+                if retries.spent:
+                    raise error from None
                 log.warning(
                     "object store unavailable; retrying", what=what, retry_in=round(pause, 2)
                 )
