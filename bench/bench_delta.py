@@ -31,10 +31,10 @@ without a delta, the version's pages dropped first: end-to-end freshness is the 
 the read. The delta's size is also computed offline (XOR + zstd of every changed block), so
 a delta the publisher dropped still has a size to report.
 
-    .venv/bin/python bench/bench_delta.py train --lrs 1e-6 1e-5 --steps 8
-    .venv/bin/python bench/bench_delta.py node --shape 0.6B --rounds 5
-    .venv/bin/python bench/bench_delta.py publish --shape 0.6B --change-rates 3 15 100 --rounds 5
-    .venv/bin/python bench/bench_delta.py chain --shape 0.6B --behind 3 --rounds 5
+    .venv/bin/python -m bench delta train --lrs 1e-6 1e-5 --steps 8
+    .venv/bin/python -m bench delta node --shape 0.6B --rounds 5
+    .venv/bin/python -m bench delta publish --shape 0.6B --change-rates 3 15 100 --rounds 5
+    .venv/bin/python -m bench delta chain --shape 0.6B --behind 3 --rounds 5
 
 ``chain`` (issue 30): v1 from a random bf16 snapshot of ``--shape``, then ``--behind``
 versions each with ``--changed`` of the values moved one ulp at random places (a new place
@@ -56,7 +56,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -65,7 +64,17 @@ import redis
 import torch
 
 from bench_node import registered, write_snapshot
-from bench_publisher import raw_copy
+from common import (
+    REPO,
+    drop_pages,
+    med,
+    ratio,
+    raw_copy,
+    save_json,
+    spread,
+    timed,
+    weightcast_env,
+)
 from weightcast.client.producer import BatchProducer
 from weightcast.client.reader import VersionReader
 from weightcast.contract.delta import compressor, encode_block
@@ -79,8 +88,6 @@ from weightcast.local.redis_server import RedisServer
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
 from weightcast_trainer.model import flavor_args
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def train(args: argparse.Namespace) -> list[dict]:
@@ -107,13 +114,7 @@ def train_once(redis_url: str, workdir: Path, lr: float, args: argparse.Namespac
         producer.push(synthetic_batch(generator, args.batch_size, args.seq_len, vocab), 0)
     run_dir = workdir / namespace
     run_dir.mkdir()
-    env = {
-        **os.environ,
-        "WEIGHTCAST_REDIS_URL": redis_url,
-        "WEIGHTCAST_NAMESPACE": namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
-    }
+    env = weightcast_env(redis_url, namespace, run_dir / "checkpoints", run_dir / "weights")
     weightcast = [sys.executable, "-m", "weightcast"]
     publisher = subprocess.Popen(
         [*weightcast, "publisher", "--rescan-seconds", "0.2", "--keep", str(args.steps + 2)],
@@ -305,7 +306,7 @@ def node_read(weights: Path, base: VersionInfo | None) -> tuple[float, str]:
     if base is not None:
         reader.rank_tensors(base, 0, 1)
     info = registered(weights, 2)
-    drop_cache(weights / "v2")
+    drop_pages(weights / "v2", sync=True)
     seconds = timed(partial(reader.rank_tensors, info, 0, 1))
     return seconds, reader.stats.via
 
@@ -354,61 +355,36 @@ def publish(args: argparse.Namespace) -> list[dict]:
 
 def summary(shape: str, percent: float, data: int, rows: list[dict]) -> dict:
     """Medians over the rounds, and the median of each round's ratio to its cp + fsync."""
-
-    def med(key: str) -> float:
-        return statistics.median(r[key] for r in rows)
-
-    def ratio(key: str) -> tuple[float, float, float]:
-        values = [r[key] / r["cp_fsync"] for r in rows]
-        return statistics.median(values), min(values), max(values)
-
-    on, off = ratio("on_seconds"), ratio("off_seconds")
+    on, off = ratio(rows, "on_seconds", "cp_fsync"), ratio(rows, "off_seconds", "cp_fsync")
     kept = [r["on_delta_bytes"] for r in rows if r["on_delta_bytes"]]
     reasons = sorted({r["on_no_delta"][:60] for r in rows if r["on_no_delta"]})
     fresh_on = statistics.median(r["on_seconds"] + r["on_node"] for r in rows)
     fresh_off = statistics.median(r["off_seconds"] + r["off_node"] for r in rows)
     print(
         f"{shape}, {percent:g}% of values moved (load {min(r['load'] for r in rows):.1f}-"
-        f"{max(r['load'] for r in rows):.1f}): cp+fsync {med('cp_fsync'):.2f} s\n"
-        f"  defaults (delta on): {med('on_seconds'):.2f} s, {on[0]:.2f}x "
-        f"({on[1]:.2f}..{on[2]:.2f}),"
-        f" RSS {med('on_rss_mb'):.0f} MB, delta kept in {len(kept)}/{len(rows)} rounds "
+        f"{max(r['load'] for r in rows):.1f}): cp+fsync {med(rows, 'cp_fsync'):.2f} s\n"
+        f"  defaults (delta on): {med(rows, 'on_seconds'):.2f} s, {spread(on)},"
+        f" RSS {med(rows, 'on_rss_mb'):.0f} MB, delta kept in {len(kept)}/{len(rows)} rounds "
         f"({statistics.median(kept) / data if kept else 0:.2%} of the version) {reasons}\n"
-        f"  --no-delta: {med('off_seconds'):.2f} s, {off[0]:.2f}x ({off[1]:.2f}..{off[2]:.2f}), "
-        f"RSS {med('off_rss_mb'):.0f} MB\n"
+        f"  --no-delta: {med(rows, 'off_seconds'):.2f} s, {spread(off)}, "
+        f"RSS {med(rows, 'off_rss_mb'):.0f} MB\n"
         f"  delta if encoded whole: {rows[0]['offline_delta'] / data:.2%} of the version\n"
-        f"  node holding v1: defaults {med('on_node'):.2f} s "
+        f"  node holding v1: defaults {med(rows, 'on_node'):.2f} s "
         f"({sorted({r['on_via'] for r in rows})}), freshness {fresh_on:.2f} s; "
-        f"fresh node, --no-delta: {med('off_node'):.2f} s, freshness {fresh_off:.2f} s",
+        f"fresh node, --no-delta: {med(rows, 'off_node'):.2f} s, freshness {fresh_off:.2f} s",
         flush=True,
     )
     if "before_seconds" in rows[0]:
-        before = ratio("before_seconds")
+        before = ratio(rows, "before_seconds", "cp_fsync")
         fresh = statistics.median(r["before_seconds"] + r["before_node"] for r in rows)
         print(
-            f"  --before: {med('before_seconds'):.2f} s, {before[0]:.2f}x "
-            f"({before[1]:.2f}..{before[2]:.2f}), RSS {med('before_rss_mb'):.0f} MB; node "
-            f"{med('before_node'):.2f} s ({sorted({r['before_via'] for r in rows})}), "
+            f"  --before: {med(rows, 'before_seconds'):.2f} s, {spread(before)}, "
+            f"RSS {med(rows, 'before_rss_mb'):.0f} MB; node "
+            f"{med(rows, 'before_node'):.2f} s ({sorted({r['before_via'] for r in rows})}), "
             f"freshness {fresh:.2f} s",
             flush=True,
         )
     return {"shape": shape, "percent": percent, "bytes": data, "rounds": rows}
-
-
-def drop_cache(directory: Path) -> None:
-    os.sync()
-    for path in directory.iterdir():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def timed(call: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
 
 
 def node(args: argparse.Namespace) -> dict:
@@ -426,7 +402,7 @@ def node(args: argparse.Namespace) -> dict:
             for kind in ("publish_cold", "publish_delta", "publish_full"):
                 shutil.rmtree(weights / "v2", ignore_errors=True)
                 if kind == "publish_cold":
-                    drop_cache(weights / "v1")
+                    drop_pages(weights / "v1", sync=True)
                 os.sync()
                 time.sleep(0.5)
                 options = ConvertOptions(delta=kind != "publish_full")
@@ -439,13 +415,13 @@ def node(args: argparse.Namespace) -> dict:
             )
             holder = VersionReader(weights, keep_base=True)
             holder.rank_tensors(base_info, 0, 1)
-            drop_cache(weights / "v2")
+            drop_pages(weights / "v2", sync=True)
             row["node_delta"] = timed(partial(holder.rank_tensors, info, 0, 1))
             assert holder.stats.via == "delta", holder.stats.reason
             row["delta_read_bytes"] = holder.stats.bytes_read
             del holder
             fresh = VersionReader(weights)
-            drop_cache(weights / "v2")
+            drop_pages(weights / "v2", sync=True)
             row["node_full"] = timed(partial(fresh.rank_tensors, info, 0, 1))
             row["full_read_bytes"] = fresh.stats.bytes_read
             rows.append(row)
@@ -497,12 +473,12 @@ def chain(args: argparse.Namespace) -> dict:
             holder = VersionReader(weights, keep_base=True, max_delta_chain=args.behind)
             holder.rank_tensors(infos[1], 0, 1)
             for version in range(2, newest + 1):
-                drop_cache(weights / f"v{version}")
+                drop_pages(weights / f"v{version}", sync=True)
             row["node_chain"] = timed(partial(holder.rank_tensors, infos[newest], 0, 1, 1, links))
             assert holder.stats.via == "chain", holder.stats.reason
             row["chain_read_bytes"] = holder.stats.bytes_read
             fresh = VersionReader(weights)
-            drop_cache(weights / f"v{newest}")
+            drop_pages(weights / f"v{newest}", sync=True)
             row["node_full"] = timed(partial(fresh.rank_tensors, infos[newest], 0, 1))
             row["full_read_bytes"] = fresh.stats.bytes_read
             if at == 0:  # bitwise the same version
@@ -565,8 +541,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs", flush=True)
     parts = {"train": train, "node": node, "publish": publish, "chain": chain}
     result = parts[args.part](args)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+    save_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ publisher's encoder works (``delta_writer.FileFrames._frame``), each round times
 Printed: the median over rounds of each stage's GiB/s, the codec's frames against the bytes
 they cover, and what the encoding would cost (read base + xor + codec) against ``write``.
 
-    PYTHONPATH=shared:trainer:publisher .venv/bin/python bench/bench_delta_encode.py \\
+    .venv/bin/python -m bench delta-encode \\
         --mib 512 --changed 3 15 --rounds 5
 """
 
@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
+from common import raw_write
 from weightcast.contract.delta import compressor, encode_block, scratch_bytes, xor
 from weightcast.contract.manifest import BLOCK_BYTES, new_hasher
 
@@ -97,16 +98,7 @@ def versions(nbytes: int, percent: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def write_seconds(data: np.ndarray, path: Path) -> float:
-    start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view, done = memoryview(data), 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    seconds = time.perf_counter() - start
+    seconds = raw_write(path, [memoryview(data)])
     path.unlink()
     return seconds
 

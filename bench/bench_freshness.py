@@ -34,9 +34,9 @@ every worker reads every tensor whole). Each tp's rounds run with only that tp's
 up. The first round of each tp (imports, first allocation of the staging buffers) is a
 warm-up and is not counted. Medians over the rounds, the spread of the per-round ratios.
 
-    .venv/bin/python bench/bench_freshness.py                           # 0.6B, tp 1 2 4 8
-    .venv/bin/python bench/bench_freshness.py --modes delta --changed 0.05
-    .venv/bin/python bench/bench_freshness.py --shape 0.6B --tp 1 8 --device cuda
+    .venv/bin/python -m bench freshness                           # 0.6B, tp 1 2 4 8
+    .venv/bin/python -m bench freshness --modes delta --changed 0.05
+    .venv/bin/python -m bench freshness --shape 0.6B --tp 1 8 --device cuda
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -61,13 +62,8 @@ import torch
 from torch import nn
 
 from bench_delta import nudge
-from bench_publisher import (
-    REPO,
-    cold_read,
-    publisher_env,
-    random_state,
-    settle,
-)
+from bench_publisher import random_state
+from common import REPO, cold_read, raw_write, save_json, settle, weightcast_env
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import SHAPES
 from weightcast.local.redis_server import RedisServer
@@ -123,20 +119,10 @@ def random_model(shape: str) -> Weights:
     return Weights(random_state(SHAPES[shape]))
 
 
-def raw_write(model: Weights, path: Path) -> float:
-    """Write every tensor's bytes into one new file, fsync it; the seconds."""
-    start = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        for tensor in model.hf.values():
-            data = memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
-            done = 0
-            while done < len(data):
-                done += os.write(fd, data[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - start
+def model_bytes(model: Weights) -> Iterator[memoryview]:
+    """Every tensor's bytes, in order (what the floor writes)."""
+    for tensor in model.hf.values():
+        yield memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy())
 
 
 def bench_tp(tp: int, mode: str, model: Weights, args: argparse.Namespace, root: Path) -> dict:
@@ -165,7 +151,7 @@ def bench_tp(tp: int, mode: str, model: Weights, args: argparse.Namespace, root:
     rows: list[dict[str, float]] = []
     with RedisServer(work / "redis") as server:
         client = redis.Redis.from_url(server.url)
-        env = publisher_env(server.url, keys, checkpoints, weights)
+        env = weightcast_env(server.url, keys.namespace, checkpoints, weights)
         daemon = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(tp), "--keep", "1"]
         daemon.append("--delta" if mode == "delta" else "--no-delta")
         processes.append(subprocess.Popen(daemon, env=env, cwd=REPO, stdout=log, stderr=log))
@@ -186,7 +172,7 @@ def bench_tp(tp: int, mode: str, model: Weights, args: argparse.Namespace, root:
         try:
             for step in range(1, args.rounds + 2):  # the first round is a warm-up
                 floor_file = work / "floor"
-                floor_write = raw_write(model, floor_file)
+                floor_write = raw_write(floor_file, model_bytes(model), os.O_EXCL)
                 floor_read = cold_read(floor_file)
                 floor_file.unlink()
                 settle()
@@ -302,17 +288,16 @@ def main() -> None:
             f"{r['ratio']:>6.2f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) "
             f"{r['load'][0]:>4.1f}-{r['load'][1]:.1f}"
         )
-    if args.json:
-        report = {
-            "machine": machine,
-            "shape": args.shape,
-            "bytes": nbytes,
-            "device": args.device,
-            "rounds": args.rounds,
-            "changed": args.changed,
-            "results": results,
-        }
-        args.json.write_text(json.dumps(report, indent=1))
+    report = {
+        "machine": machine,
+        "shape": args.shape,
+        "bytes": nbytes,
+        "device": args.device,
+        "rounds": args.rounds,
+        "changed": args.changed,
+        "results": results,
+    }
+    save_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ on CUDA a graph captured before the first load (a matmul with layer 0's qkv_proj
 after the last and must compute with the new weights. Medians over ``--rounds``, the first
 round of each (allocation of the staging ring) left out.
 
-    python bench/bench_inplace.py --shape 0.6B --tp 1 2 --device cuda
-    .venv/bin/python bench/bench_inplace.py --shape tiny --device cpu
+    python -m bench inplace --shape 0.6B --tp 1 2 --device cuda
+    .venv/bin/python -m bench inplace --shape tiny --device cpu
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from bench_publisher import random_state
+from common import save_json
 from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.contract.fusion import assemble, plan_vllm_fused
 from weightcast.contract.model_shape import SHAPES
@@ -165,9 +165,8 @@ def main() -> None:
             f"{row['inplace_gb_s']:6.2f}  {row['blocking_s']:12.4f}  {row['blocking_gb_s']:6.2f}  "
             f"{row['speedup']:6.2f}x  {'replayed' if row['graph_replayed'] else '-'}"
         )
-    if args.json:
-        report = {"shape": args.shape, "device": args.device, "rounds": args.rounds}
-        args.json.write_text(json.dumps(report | {"results": results}, indent=1))
+    report = {"shape": args.shape, "device": args.device, "rounds": args.rounds}
+    save_json(args.json, report | {"results": results})
 
 
 if __name__ == "__main__":

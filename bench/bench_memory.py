@@ -28,8 +28,8 @@ The daemon keeps every delta, even where the encoding falls behind the write (on
 ``--delta-behind wait``. That changes no memory bound: the delta's frames are encoded from
 the ring's buffers.
 
-    PYTHONPATH=shared:trainer:publisher .venv/bin/python bench/bench_memory.py --rounds 3
-    PYTHONPATH=shared:trainer:publisher .venv/bin/python bench/bench_memory.py --shapes 8B \
+    .venv/bin/python -m bench memory --rounds 3
+    .venv/bin/python -m bench memory --shapes 8B \
         --stores dir --rounds 1
 """
 
@@ -53,8 +53,8 @@ from pathlib import Path
 import redis
 
 from bench_delta import nudged_copy
-from bench_publisher import peak_rss_mb, publisher_env, settle, write_template
-from delta_memory import vm
+from bench_publisher import write_template
+from common import REPO, peak_rss_mb, save_json, settle, vm, wait_published, weightcast_env
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
@@ -62,7 +62,6 @@ from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, Snapshot
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
 
-REPO = Path(__file__).resolve().parent.parent
 BUCKET = "weights"
 CHANGED = 0.01
 """The share of values the second snapshot moves: a small training step's."""
@@ -177,13 +176,7 @@ class Publisher:
         Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")
         start = time.perf_counter()
         os.rename(tmp, checkpoints / f"step-{step}")
-        while True:
-            message = self.events.get_message(timeout=1200)
-            assert message is not None, self.log.read_text()[-3000:]
-            if message["type"] == "message" and json.loads(message["data"])["event"] == (
-                "published"
-            ):
-                break
+        wait_published(self.events, 1200, self.log.read_text)
         seconds = time.perf_counter() - start
         shutil.rmtree(checkpoints / f"step-{step}")
         return {"seconds": seconds, "peak_mb": peak_rss_mb(self.process.pid)}
@@ -232,7 +225,7 @@ def one_round(
         f"  snapshots, {nbytes / 1e9:.2f} GB each, written in {time.perf_counter() - start:.0f} s"
     )
     keys = Keys(f"mem-{uuid.uuid4().hex[:6]}")
-    env = publisher_env(server.url, keys, checkpoints, weights)
+    env = weightcast_env(server.url, keys.namespace, checkpoints, weights)
     root = str(weights)
     rows: dict[str, dict] = {}
     with ExitStack() as stack:
@@ -300,8 +293,7 @@ def main() -> None:
                     results.append(summary(shape, store, nbytes, rounds))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    save_json(args.json, results)
 
 
 def model_bytes(shape: ModelShape) -> int:

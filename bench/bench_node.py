@@ -27,15 +27,14 @@ Baselines, in the same rounds:
 Rounds interleave the cases and rotate which kind goes first; medians are printed, with the
 median and range of the per-round ratios, and the bytes each kind reads.
 
-    .venv/bin/python bench/bench_node.py                      # 0.6B, tp 1 2 8, 5 rounds
-    .venv/bin/python bench/bench_node.py --shape tiny --rounds 3 --no-drop
-    .venv/bin/python bench/bench_node.py --shape 30B-A3B-2L --tp 4 --expert-parallel
+    .venv/bin/python -m bench node                      # 0.6B, tp 1 2 8, 5 rounds
+    .venv/bin/python -m bench node --shape tiny --rounds 3 --no-drop
+    .venv/bin/python -m bench node --shape 30B-A3B-2L --tp 4 --expert-parallel
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import os
 import platform
@@ -50,6 +49,7 @@ from pathlib import Path
 
 import weightcast.client.reader as reader_module
 from bench_publisher import write_template
+from common import save_json
 from weightcast.client.reader import VersionReader
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 from weightcast.contract.model_shape import SHAPES
@@ -260,8 +260,7 @@ def main() -> None:
             load.append(os.getloadavg()[0])
             print(f"round {round_ + 1}/{args.rounds} done, load {load[-1]:.1f}", flush=True)
         figures = report(cases, times, args, load)
-        if args.json:
-            args.json.write_text(json.dumps(figures, indent=1))
+        save_json(args.json, figures)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

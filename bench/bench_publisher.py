@@ -15,11 +15,11 @@ round on the same bytes, each per-byte stage of the writer alone (copy from the 
 block digests, NaN scan) and its read + digest + scan pipeline without the write: the floor
 under the publish on this machine.
 
-    .venv/bin/python bench/bench_publisher.py                          # tiny, 0.6B, 1.7B
-    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --rounds 7 --format dcp-torchsave
-    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --stages --no-delta
-    .venv/bin/python bench/bench_publisher.py --shapes 30B-A3B-2L --tp 4 --expert-parallel
-    .venv/bin/python bench/bench_publisher.py --shapes 0.6B --quantize fp8   # FP8 versions
+    .venv/bin/python -m bench publisher                          # tiny, 0.6B, 1.7B
+    .venv/bin/python -m bench publisher --shapes 0.6B --rounds 7 --format dcp-torchsave
+    .venv/bin/python -m bench publisher --shapes 0.6B --stages --no-delta
+    .venv/bin/python -m bench publisher --shapes 30B-A3B-2L --tp 4 --expert-parallel
+    .venv/bin/python -m bench publisher --shapes 0.6B --quantize fp8   # FP8 versions
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import json
 import math
 import mmap
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -44,7 +43,17 @@ import numpy as np
 import redis
 import torch
 
-from weightcast.contract.durable import fsync_path
+from common import (
+    REPO,
+    data_files,
+    machine_line,
+    next_event,
+    peak_rss_mb,
+    raw_copy,
+    save_json,
+    settle,
+    weightcast_env,
+)
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.contract.snapshot_format import (
@@ -58,8 +67,6 @@ from weightcast.contract.snapshot_format import (
 from weightcast.contract.tensorfile import encode_header, file_order
 from weightcast.local.redis_server import RedisServer
 from weightcast_trainer.dcp_safetensors import DCP_VERSION
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def random_tensors(shape: ModelShape) -> Iterator[tuple[str, torch.Tensor]]:
@@ -126,47 +133,6 @@ def write_template(
     return sum(f.stat().st_size for f in data_files(path)), files
 
 
-def data_files(path: Path) -> list[Path]:
-    return sorted(p for p in path.iterdir() if p.suffix in (".safetensors", ".distcp"))
-
-
-def settle() -> None:
-    """Flush and wait, so that earlier deletes (discards) and writeback do not land in a timing."""
-    os.sync()
-    time.sleep(1.0)
-
-
-def raw_copy(template: Path, target: Path) -> float:
-    """Copy the template's data files with fsync: the baseline (the caller removes ``target``)."""
-    start = time.perf_counter()
-    target.mkdir()
-    for src in data_files(template):
-        dst = target / src.name
-        shutil.copyfile(src, dst)
-        fsync_path(dst)
-    fsync_path(target)
-    return time.perf_counter() - start
-
-
-def cold_read(path: Path) -> float:
-    """Drop the file's pages, then read it into fresh memory; the seconds."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        size = os.fstat(fd).st_size
-        start = time.perf_counter()
-        buffer = mmap.mmap(-1, size)
-        view, done = memoryview(buffer), 0
-        while done < size:
-            done += os.preadv(fd, [view[done:]], done)
-        seconds = time.perf_counter() - start
-        view.release()
-        buffer.close()
-        return seconds
-    finally:
-        os.close(fd)
-
-
 def stage_seconds(path: Path, digest: str) -> dict[str, float]:
     """Each per-byte stage of the writer alone, in one thread, on ``path`` (pages warm), one
     ring buffer at a time as the writer does: the copy from the page cache into the buffer,
@@ -213,24 +179,6 @@ def stage_seconds(path: Path, digest: str) -> dict[str, float]:
     return seconds | {"pipeline_s": time.perf_counter() - start}
 
 
-def publisher_env(url: str, keys: Keys, checkpoints: Path, weights: Path) -> dict[str, str]:
-    """The environment of a publisher (or node) process of this benchmark."""
-    return {
-        **os.environ,
-        "WEIGHTCAST_REDIS_URL": url,
-        "WEIGHTCAST_NAMESPACE": keys.namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(checkpoints),
-        "WEIGHTCAST_WEIGHTS_DIR": str(weights),
-    }
-
-
-def peak_rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -> dict:
     work = root / name
     checkpoints, weights, template = work / "checkpoints", work / "weights", work / "template"
@@ -241,7 +189,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
     client = redis.Redis.from_url(server.url)
     events = client.pubsub()
     events.subscribe(keys.events)
-    env = publisher_env(server.url, keys, checkpoints, weights)
+    env = weightcast_env(server.url, keys.namespace, checkpoints, weights)
     log = open(work / "publisher.log", "wb")  # noqa: SIM115 (closed below)
     command = [sys.executable, "-m", "weightcast", "publisher", "--tp", str(args.tp)]
     command += ["--reader", args.reader, "--rescan-seconds", "30", "--layout", args.layout]
@@ -271,12 +219,8 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
             settle()
             start = time.perf_counter()
             os.rename(tmp, checkpoints / f"step-{step}")
-            while True:
-                message = events.get_message(timeout=600)
-                assert message is not None, (work / "publisher.log").read_text()
-                if message["type"] == "message":
-                    assert json.loads(message["data"])["event"] == "published"
-                    break
+            event = next_event(events, 600, (work / "publisher.log").read_text)
+            assert event["event"] == "published", event
             publish.append(time.perf_counter() - start)
             version_bytes = weights_bytes(weights)
             events.get_message(timeout=0.5)  # an eviction event, if any
@@ -346,7 +290,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="wc-bench-", dir=args.dir))
-    machine = f"{platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    machine = machine_line()
     settings = f"format={args.format} reader={args.reader} layout={args.layout} tp={args.tp}"
     settings += " expert-parallel" if args.expert_parallel else ""
     settings += f" delta={'on' if args.delta else 'off'} quantize={args.quantize}"
@@ -376,10 +320,8 @@ def main() -> None:
                     flush=True,
                 )
     shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        report = {"machine": machine, "settings": given, "results": results}
-        args.json.write_text(json.dumps(report, indent=1))
+    given = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    save_json(args.json, {"machine": machine, "settings": given, "results": results})
 
 
 if __name__ == "__main__":

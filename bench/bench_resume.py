@@ -9,8 +9,8 @@ float32) mapped to HF names and cast to bf16, bit for bit. Figures: the median s
 each run after ``--warmup`` steps (the loop's own ``seconds``: with and without a snapshot
 every step) and their ratio.
 
-    python bench/bench_resume.py --model 0.6B --batch-size 8 --seq-len 2048   # a GPU
-    .venv/bin/python bench/bench_resume.py --model tiny                        # the CPU
+    python -m bench resume --model 0.6B --batch-size 8 --seq-len 2048   # a GPU
+    .venv/bin/python -m bench resume --model tiny                        # the CPU
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from bench_trainer import run_trainer
+from common import save_json
 from weightcast.client.producer import BatchProducer
 from weightcast.contract.snapshot_format import read_complete
 from weightcast.local.produce import synthetic_batch
@@ -108,8 +109,7 @@ def main() -> None:
         "resumed_at": resumed["step"],
     }
     print(json.dumps(report, indent=1))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    save_json(args.json, report)
 
 
 if __name__ == "__main__":

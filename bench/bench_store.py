@@ -45,10 +45,10 @@ first in turn), medians and the median of the per-round ratios:
   and weightcast's own ``S3Store``), put and get, medians. obstore is not a weightcast
   dependency: those figures come from ``--client-python`` (a venv with obstore and boto3).
 
-    PYTHONPATH=shared:trainer:publisher:bench .venv/bin/python bench/bench_store.py
-    PYTHONPATH=shared:trainer:publisher:bench .venv/bin/python bench/bench_store.py \\
+    .venv/bin/python -m bench store
+    .venv/bin/python -m bench store \\
         --parts rank delta --rounds 3 --clients
-    PYTHONPATH=shared:trainer:publisher:bench .venv/bin/python bench/bench_store.py \\
+    .venv/bin/python -m bench store \\
         --shape tiny --tp 2 --nodes 3 --rounds 1 --clients --clients-mib 64   # a smoke run
 """
 
@@ -59,7 +59,6 @@ import contextlib
 import json
 import mmap
 import os
-import platform
 import random
 import re
 import shutil
@@ -81,9 +80,22 @@ import redis
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from bench_delta import drop_cache, moved_copy, warm
+from bench_delta import moved_copy, warm
 from bench_node import recorded, registered, write_snapshot
-from bench_publisher import REPO, publisher_env, settle, write_template
+from bench_publisher import write_template
+from common import (
+    REPO,
+    alternate,
+    drop_pages,
+    machine_line,
+    med,
+    ratio,
+    settle,
+    spread,
+    timed,
+    wait_published,
+    weightcast_env,
+)
 from weightcast.client.reader import VersionReader
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import SHAPES
@@ -188,35 +200,6 @@ def patched(owner: object, name: str, value: object) -> Iterator[None]:
         setattr(owner, name, saved)
 
 
-def timed(call: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
-def med(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
-
-
-def ratio(rows: list[dict], top: str, bottom: str) -> tuple[float, float, float]:
-    values = [r[top] / r[bottom] for r in rows]
-    return statistics.median(values), min(values), max(values)
-
-
-def spread(r: tuple[float, float, float]) -> str:
-    return f"{r[0]:.2f}x ({r[1]:.2f}..{r[2]:.2f})"
-
-
-def alternate(round_: int, cases: dict[str, Callable[[], dict]]) -> dict:
-    """Each case once, the order rotated by the round; what they return, merged."""
-    names = list(cases)
-    turn = round_ % len(names)
-    row: dict = {"load": os.getloadavg()[0]}
-    for name in names[turn:] + names[:turn]:
-        row |= cases[name]()
-    return row
-
-
 # publish
 
 
@@ -229,7 +212,7 @@ def publish_part(args: argparse.Namespace, endpoint: str, server: RedisServer, w
     client = redis.Redis.from_url(server.url)
     events = client.pubsub()
     events.subscribe(keys.events)
-    env = publisher_env(server.url, keys, checkpoints, weights) | {
+    env = weightcast_env(server.url, keys.namespace, checkpoints, weights) | {
         "WEIGHTCAST_WEIGHTS_URL": f"s3://{BUCKET}/publish",
         "WEIGHTCAST_S3_ENDPOINT_URL": endpoint,
         "WEIGHTCAST_S3_ADDRESSING_STYLE": "path",
@@ -254,13 +237,7 @@ def publish_part(args: argparse.Namespace, endpoint: str, server: RedisServer, w
         settle()
         start = time.perf_counter()
         os.rename(tmp, checkpoints / f"step-{step}")
-        while True:
-            message = events.get_message(timeout=600)
-            assert message is not None, log_path.read_text()[-3000:]
-            if message["type"] == "message" and json.loads(message["data"])["event"] == (
-                "published"
-            ):
-                break
+        wait_published(events, 600, log_path.read_text)
         seconds = time.perf_counter() - start
         version = int(client.get(keys.latest))
         found = re.findall(rf"uploaded version version={version} .*seconds=([0-9.]+)", log_text())
@@ -276,7 +253,7 @@ def publish_part(args: argparse.Namespace, endpoint: str, server: RedisServer, w
     source = work / "s5cmd-source"
 
     def baseline() -> dict:
-        drop_cache(source)
+        drop_pages(source, sync=True)
         settle()
         target = f"s3://{BUCKET}/s5cmd/{uuid.uuid4().hex[:8]}/"
         seconds = s5cmd(endpoint, "cp", f"{source}/*", target)
@@ -828,7 +805,7 @@ def main() -> None:
     ):  # fmt: skip
         os.environ.setdefault(key, value)  # SeaweedFS takes any while it has no identities
     work = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
-    machine = f"{platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    machine = machine_line()
     print(f"{machine}; {args.shape}, {args.rounds} rounds, dir {work}", flush=True)
     figures: dict = {"machine": machine, "shape": args.shape, "rounds": args.rounds}
     try:

@@ -11,9 +11,9 @@ checkpoint, or its staging copy when async); the first ``--warmup`` steps of a r
 out. Prints, per model, the median step time of each setting (median over runs of the per-run
 medians), their ratio, and for checkpoints the median time a checkpoint took to write.
 
-    .venv/bin/python bench/bench_trainer.py                       # tiny and small on CPU
-    .venv/bin/python bench/bench_trainer.py --compare checkpoint
-    .venv/bin/python bench/bench_trainer.py --models 0.6B --batch-size 8 --seq-len 2048
+    .venv/bin/python -m bench trainer                       # tiny and small on CPU
+    .venv/bin/python -m bench trainer --compare checkpoint
+    .venv/bin/python -m bench trainer --models 0.6B --batch-size 8 --seq-len 2048
 """
 
 from __future__ import annotations
@@ -32,13 +32,11 @@ from pathlib import Path
 
 import torch
 
+from common import REPO, save_json, weightcast_env
 from weightcast.client.producer import BatchProducer
 from weightcast.local.produce import synthetic_batch
 from weightcast.local.redis_server import RedisServer
 from weightcast_trainer.model import flavor_args
-
-REPO = Path(__file__).resolve().parent.parent
-
 
 SETTINGS = {
     "snapshot": (("never", False, ""), ("every step", True, "")),
@@ -58,13 +56,7 @@ class RunResult:
 def run_trainer(redis_url: str, namespace: str, run_dir: Path, *args: str) -> list[dict]:
     """``weightcast trainer <args>`` with its snapshots and weights under ``run_dir``, to its
     end; its JSON log events (exits naming the failure when the trainer failed)."""
-    env = {
-        **os.environ,
-        "WEIGHTCAST_REDIS_URL": redis_url,
-        "WEIGHTCAST_NAMESPACE": namespace,
-        "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
-        "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
-    }
+    env = weightcast_env(redis_url, namespace, run_dir / "checkpoints", run_dir / "weights")
     command = [sys.executable, "-m", "weightcast", "trainer", *args, "--log-format", "json"]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     if result.returncode != 0:
@@ -181,8 +173,7 @@ def main() -> None:
                 f"{measured / base:5.2f}x  {skipped}/{options.repeats * (args.steps - 1)}  "
                 + (written if options.compare == "checkpoint" else "")
             )
-    if options.json:
-        options.json.write_text(json.dumps(results, indent=1))
+    save_json(options.json, results)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ the spread of the per-run ratios, and the load average are printed.
 It builds its engines with the vLLM tier's helpers (``tests/vllm/vllm_helpers.py``), so the
 tests' folders go on ``PYTHONPATH``:
 
-    PYTHONPATH=tests:tests/vllm .venv-vllm/bin/python bench/bench_vllm.py   # tiny, 0.6B; 5 runs
-    PYTHONPATH=tests:tests/vllm .venv-vllm/bin/python bench/bench_vllm.py --shapes 0.6B --runs 3
+    PYTHONPATH=tests:tests/vllm .venv-vllm/bin/python -m bench vllm   # tiny, 0.6B; 5 runs
+    PYTHONPATH=tests:tests/vllm .venv-vllm/bin/python -m bench vllm --shapes 0.6B --runs 3
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(report)
 
 CONTEXT = {"tiny": 1024, "0.6B": 4096}
@@ -40,19 +39,8 @@ CONTEXT = {"tiny": 1024, "0.6B": 4096}
 (``max_position_embeddings``) each engine gets."""
 
 
-def drop_pages(directory: Path) -> None:
-    """Drop the page-cache pages of every file in ``directory`` (written back already)."""
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-
-
 def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
-    from bench_publisher import cold_read
+    from common import cold_read, drop_pages
     from weightcast.client.vllm.backend import report
     from weightcast.client.vllm.engine import swap
     from weightcast.client.vllm.local_engine import LocalEngine

@@ -8,8 +8,8 @@ a publisher would write it for such blocks. ``measure DIR full|delta|manifest``:
 reads v2 in full; a node holding v1 reads v2 by delta; or the manifest parser meets 64 MiB of
 empty lists. Peak RSS is ``VmHWM`` reset through ``/proc/self/clear_refs`` before the read.
 
-    PYTHONPATH=tests .venv/bin/python bench/delta_memory.py make /tmp/dm --block-bytes 40
-    .venv/bin/python bench/delta_memory.py measure /tmp/dm delta
+    PYTHONPATH=tests .venv/bin/python -m bench delta-memory make /tmp/dm --block-bytes 40
+    .venv/bin/python -m bench delta-memory measure /tmp/dm delta
 """
 
 from __future__ import annotations
@@ -20,13 +20,7 @@ import json
 import time
 from pathlib import Path
 
-
-def vm(field: str) -> int:
-    """A ``/proc/self/status`` figure, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(f"{field}:"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
+from common import vm
 
 
 def make(directory: Path, block_bytes: int) -> None:

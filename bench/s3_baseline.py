@@ -8,7 +8,7 @@ keep-alive ``http.client`` connection, one unsigned ``GET`` with a ``Range`` hea
 range (the private SeaweedFS server accepts unsigned requests: no identities are
 configured), the body read into a reused buffer.
 
-    .venv/bin/python bench/s3_baseline.py --size-mb 1024 --range-mb 16 --concurrency 8
+    .venv/bin/python -m bench s3-baseline --size-mb 1024 --range-mb 16 --concurrency 8
 
 starts a private S3 server (``weightcast.local.s3_server``) with its data under ``--dir``
 (default: a temporary directory), or takes ``--endpoint-url`` and ``--bucket`` of a running
