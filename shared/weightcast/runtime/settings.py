@@ -1,7 +1,8 @@
 """How settings are loaded, checked, offered as flags and documented.
 
 Layers, lowest first: defaults < TOML file < ``WEIGHTCAST_*`` environment < command line.
-From each setting's one declaration (:mod:`weightcast.runtime.config`) come the flags of
+From each setting's one declaration (each role declares its section beside its code;
+:mod:`weightcast.runtime.config` composes them) come the flags of
 every command (:func:`add_flags`), the bounds check (:func:`validate`, run by
 :func:`load_config` on the merged result) and the reference page ``docs/configuration.md``
 (:func:`reference_markdown`; a test fails when the page is stale).
@@ -162,8 +163,9 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the settings' declarations in `shared/weightcast/runtime/config.py` "
-        "(`python scripts/gen_config_docs.py`); a test fails when this page is stale.",
+        "Generated from the settings' declarations, each role's beside its code and composed in "
+        "`shared/weightcast/runtime/config.py` (`python scripts/gen_config_docs.py`); a test "
+        "fails when this page is stale.",
         "",
         "Settings come from, in rising precedence: defaults, a TOML file (`--config`), "
         "`WEIGHTCAST_*` environment variables, command-line flags. Every value is checked "
