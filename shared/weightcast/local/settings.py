@@ -74,7 +74,10 @@ class RolloutConfig:
         32, "rewarded token ids are below this", flag="--target-below", ge=1
     )
     vocab_size: int = setting(
-        1024, "only for version 0 (nothing published yet): the uniform policy's vocabulary", ge=1
+        1024,
+        "only for version 0 (nothing published yet): the uniform policy's vocabulary",
+        flag="--vocab-size",
+        ge=1,
     )
     max_pending: int = setting(
         2,
