@@ -26,44 +26,29 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
-from weightcast.client.settings import PAUSE_MODES, FollowConfig
+from weightcast.client.settings import FollowConfig
 from weightcast.contract.keys import NAMESPACE_PATTERN
-from weightcast.local.settings import (
-    ROLLOUT_ENGINES,
-    UP_STORES,
-    UP_WORKDIR,
-    ProduceConfig,
-    RolloutConfig,
-    UpConfig,
-)
-from weightcast.runtime.spec import Spec, metrics_port, setting
-from weightcast.store.settings import WEIGHTS_DIR, StoreSettings
+from weightcast.local.settings import ProduceConfig, RolloutConfig, UpConfig
+from weightcast.runtime.spec import setting
+from weightcast.store.settings import StoreSettings
 from weightcast_publisher.settings import READERS, PublisherConfig
-from weightcast_trainer.settings import LOSS, MODELS, MOE_MODELS, TrainerConfig
+from weightcast_trainer.settings import MODELS, MOE_MODELS, TrainerConfig
 
+# The names other modules imported from here when every section was declared here.
 __all__ = [
     "COMMANDS",
-    "LOSS",
     "MODELS",
     "MOE_MODELS",
-    "PAUSE_MODES",
     "READERS",
-    "ROLLOUT_ENGINES",
     "SECTION_COMMANDS",
-    "UP_STORES",
-    "UP_WORKDIR",
-    "WEIGHTS_DIR",
     "CommonConfig",
     "Config",
     "FollowConfig",
     "ProduceConfig",
     "PublisherConfig",
     "RolloutConfig",
-    "Spec",
     "TrainerConfig",
     "UpConfig",
-    "metrics_port",
-    "setting",
 ]
 
 COMMANDS = {

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from weightcast.contract.errors import ConfigError
-from weightcast.runtime.config import SECTION_COMMANDS, Config, Spec
+from weightcast.runtime.config import SECTION_COMMANDS, Config
+from weightcast.runtime.spec import Spec
 
 ENV_PREFIX = "WEIGHTCAST_"
 
