@@ -1,4 +1,5 @@
-"""Write docs/configuration.md from the settings' declarations (weightcast.runtime.config)."""
+"""Write docs/configuration.md from the settings' declarations (composed in
+weightcast.runtime.config)."""
 
 from pathlib import Path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from weightcast.cli.main import build_parser, main
 from weightcast.contract.errors import ConfigError
+from weightcast.runtime.config import Config
 from weightcast.runtime.settings import (
     env_var,
     flag_overrides,
@@ -16,6 +18,7 @@ from weightcast.runtime.settings import (
     reference_markdown,
     settings,
 )
+from weightcast.store.settings import StoreSettings
 
 from helpers.files import REPO
 
@@ -156,3 +159,25 @@ def test_a_checkpoint_dir_that_cannot_be_written_is_a_configuration_error(
     assert main(["publisher", "--checkpoint-dir", str(target), "--once"]) == 2
     err = capsys.readouterr().err
     assert expected in err and "Traceback" not in err
+
+
+def test_each_section_is_declared_by_the_role_that_reads_it() -> None:
+    """Each role's settings live beside its code; runtime.config composes them (and keeps
+    what every process reads, with the object store's part of the top level)."""
+    homes = {
+        f.name: f.default_factory.__module__  # type: ignore[misc]
+        for f in dataclasses.fields(Config)
+        if f.name != "sources"
+    }
+    assert homes == {
+        "common": "weightcast.runtime.config",
+        "up": "weightcast.local.settings",
+        "trainer": "weightcast_trainer.settings",
+        "publisher": "weightcast_publisher.settings",
+        "produce": "weightcast.local.settings",
+        "follow": "weightcast.client.settings",
+        "rollout": "weightcast.local.settings",
+    }
+    store = {f.name for f in dataclasses.fields(StoreSettings)}
+    assert {"weights_url", "s3_addressing_style"} <= store
+    assert store <= {n for n, item in settings().items() if item.section == "common"}

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from weightcast.local.up import trainer_env
+from weightcast.cli.main import build_parser
+from weightcast.local.up import trainer_args
 from weightcast.local.vllm_rollout import fp8_engine_refusal
-from weightcast.runtime.settings import load_config
+from weightcast.runtime.config import Config
+from weightcast.runtime.settings import flag_overrides, load_config
+
+
+def trainer_config(up_config, env: dict[str, str], user_file: Path | None = None) -> Config:
+    """The configuration a trainer started by ``up`` (``up_config``) loads: the user's file
+    and environment, and the flags ``up`` gives it."""
+    args = build_parser().parse_args(["trainer", *trainer_args(up_config)])
+    return load_config(user_file, env=env, overrides=flag_overrides(args))
 
 
 def trainer_lr(up_config, env: dict[str, str], user_file: Path | None = None) -> float:
     """The learning rate a trainer started by ``up`` (``up_config``) loads."""
-    return load_config(user_file, env={**env, **trainer_env(up_config)}).trainer.lr
+    return trainer_config(up_config, env, user_file).trainer.lr
 
 
 def test_up_gives_its_trainer_its_own_rate_unless_the_user_set_one(tmp_path: Path) -> None:
@@ -23,7 +32,7 @@ def test_up_gives_its_trainer_its_own_rate_unless_the_user_set_one(tmp_path: Pat
     user.write_text('namespace = "mine"\n[trainer]\nlr = 0.5\nseq_len = 128\n')
     from_file = load_config(user, env={})
     assert trainer_lr(from_file, {}, user) == 0.5
-    assert load_config(user, env=trainer_env(from_file)).trainer.seq_len == 128
+    assert trainer_config(from_file, {}, user).trainer.seq_len == 128
 
     env = {"WEIGHTCAST_TRAINER_LR": "0.25"}
     assert trainer_lr(load_config(env=env), env) == 0.25

@@ -45,7 +45,6 @@ from weightcast.local.s3_server import S3Server, S3ServerError, find_weed
 from weightcast.runtime.config import Config
 from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import Outage
-from weightcast.runtime.settings import env_var
 
 FOLLOWER_ID = "up-follower"
 S3_BUCKET = "weights"
@@ -170,32 +169,36 @@ class Stack:
         self.redis = redis_client(redis_url)
         self.outage = Outage(budget=config.common.redis_retry_seconds)
         self.children: list[Child] = []
-        self.env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "WEIGHTCAST_REDIS_URL": redis_url,
-            "WEIGHTCAST_NAMESPACE": config.common.namespace,
-            "WEIGHTCAST_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
-            "WEIGHTCAST_WEIGHTS_DIR": str(run_dir / "weights"),
-            **trainer_env(config),
-        }
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.config_args = [] if config_file is None else ["--config", str(config_file)]
+        self.run_args = [
+            *("--redis-url", redis_url, "--namespace", config.common.namespace),
+            *("--checkpoint-dir", str(run_dir / "checkpoints")),
+            *("--weights-dir", str(run_dir / "weights")),
+        ]
+        """Every process's settings of this run, as flags (they beat the user's file and
+        environment, which every process reads too)."""
+        self.trainer_args = trainer_args(config)
+        """What ``up``'s settings make of its trainer's."""
+        self.rollout_args = rollout_args(config)
+        """What ``up``'s settings make of its rollout node's."""
         self.vllm_python = vllm_python
         """The Python of a rollout node that samples with vLLM; empty: transformers."""
         self.store_env: dict[str, str] = {}
+        """What the publisher's and the node's S3 client need (``--store s3``): its keys."""
+        self.store_args: list[str] = []
         """The publisher's and the node's settings of the bucket (``--store s3``)."""
-        self.node_env: dict[str, str] = {}
+        self.node_args: list[str] = []
         """The node's own settings: with ``--store s3``, a weights directory of its own."""
         if s3 is not None:
-            self.store_env = {
-                **s3.client_env(),
-                "WEIGHTCAST_WEIGHTS_URL": f"s3://{s3.bucket}/{S3_PREFIX}",
-                "WEIGHTCAST_S3_ENDPOINT_URL": s3.endpoint_url,
-                "WEIGHTCAST_S3_ADDRESSING_STYLE": "path",
-            }
+            self.store_env = s3.client_env()
+            self.store_args = [
+                *("--weights-url", f"s3://{s3.bucket}/{S3_PREFIX}"),
+                *("--s3-endpoint-url", s3.endpoint_url, "--s3-addressing-style", "path"),
+            ]
             node_dir = run_dir / NODE_WEIGHTS_DIR
             node_dir.mkdir()
-            self.node_env = {**self.store_env, "WEIGHTCAST_WEIGHTS_DIR": str(node_dir)}
+            self.node_args = [*self.store_args, "--weights-dir", str(node_dir)]
 
     def start(
         self,
@@ -205,10 +208,10 @@ class Stack:
         python: str = sys.executable,
         env: dict[str, str] | None = None,
     ) -> None:
-        """Run ``weightcast <args>`` as the process ``name``, with the run's settings and
-        ``env`` over them."""
+        """Run ``weightcast <args>`` as the process ``name``, with the run's settings before
+        ``args`` (a flag given twice: the last one counts) and ``env`` over ``up``'s."""
         command, *flags = args
-        argv = [python, "-m", "weightcast", command, *self.config_args, *flags]
+        argv = [python, "-m", "weightcast", command, *self.config_args, *self.run_args, *flags]
         log_path = self.run_dir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
@@ -264,22 +267,32 @@ class Stack:
         pubsub.subscribe(self.keys.events)
         self.start(
             "publisher",
-            ["publisher", "--rescan-seconds", "1", "--quantize", self.config.publisher.quantize],
+            [
+                "publisher",
+                *("--rescan-seconds", "1", "--quantize", self.config.publisher.quantize),
+                *self.store_args,
+            ],
             env=self.store_env,
         )
         self.start(
-            "trainer", ["trainer", "--steps", str(steps), "--publish-every", str(publish_every)]
+            "trainer",
+            [
+                "trainer",
+                *("--steps", str(steps), "--publish-every", str(publish_every)),
+                *self.trainer_args,
+            ],
         )
         follower = ["follow", "--node-id", FOLLOWER_ID, "--rollout"]
+        follower += [*self.rollout_args, *self.node_args]
         if self.vllm_python:  # the rollouts come from a vLLM engine, in vLLM's own venv
             self.start(
                 "follower",
                 [*follower, "--engine", "vllm"],
                 python=self.vllm_python,
-                env=self.node_env,
+                env=self.store_env,
             )
         else:
-            self.start("follower", follower, env=self.node_env)
+            self.start("follower", follower, env=self.store_env)
         progress = Progress()
         shown = ""
         while True:
@@ -345,20 +358,26 @@ class Stack:
                 progress.rewards.setdefault(meta["policy_version"], []).append(meta["reward"])
 
 
-def trainer_env(config: Config) -> dict[str, str]:
-    """What ``up``'s own settings make of its processes' settings: ``up.lr`` for the trainer
-    unless the user set ``trainer.lr`` (in the file or env); a ``--model`` given, for the
-    trainer; with ``--init-from``, the start for the trainer and its vocabulary for the
-    rollout node's uniform version 0."""
-    env = {} if "trainer.lr" in config.sources else {env_var("trainer.lr"): repr(config.up.lr)}
+def trainer_args(config: Config) -> list[str]:
+    """What ``up``'s own settings make of its trainer's, as the trainer's flags (besides
+    ``up.steps`` and ``up.publish_every``): ``up.lr`` unless the user set ``trainer.lr`` (in
+    the file or env); a ``--model`` given; with ``--init-from``, the start."""
+    args = [] if "trainer.lr" in config.sources else ["--lr", repr(config.up.lr)]
     if "trainer.model" in config.sources:
-        env[env_var("trainer.model")] = config.trainer.model
+        args += ["--model", config.trainer.model]
+    if config.trainer.init_from:
+        args += ["--init-from", str(Path(config.trainer.init_from).absolute())]
+    return args
+
+
+def rollout_args(config: Config) -> list[str]:
+    """The rollout node's flags from ``up``'s settings: with ``--init-from``, the start's
+    vocabulary for its uniform version 0 (read now: a start without one fails before
+    anything starts)."""
     start = config.trainer.init_from
-    if start:
-        path = Path(start).absolute()
-        env[env_var("trainer.init_from")] = str(path)
-        env[env_var("rollout.vocab_size")] = str(start_vocab_size(path))
-    return env
+    if not start:
+        return []
+    return ["--vocab-size", str(start_vocab_size(Path(start).absolute()))]
 
 
 def start_vocab_size(start: Path) -> int:

@@ -1,13 +1,25 @@
 """How settings are loaded, checked, offered as flags and documented.
 
 Layers, lowest first: defaults < TOML file < ``WEIGHTCAST_*`` environment < command line.
-From each setting's one declaration (:mod:`weightcast.runtime.config`) come the flags of
+From each setting's one declaration (each role declares its section beside its code;
+:mod:`weightcast.runtime.config` composes them) come the flags of
 every command (:func:`add_flags`), the bounds check (:func:`validate`, run by
 :func:`load_config` on the merged result) and the reference page ``docs/configuration.md``
 (:func:`reference_markdown`; a test fails when the page is stale).
 
 A setting's environment variable is its dotted name in upper case with ``_`` for ``.``,
 prefixed with ``WEIGHTCAST_``: ``WEIGHTCAST_REDIS_URL``, ``WEIGHTCAST_TRAINER_PUBLISH_EVERY``.
+
+Why not a library (issue 38, item 4). pydantic-settings merges its sources (init, env, a TOML
+file) into one dict before it validates, so a value out of bounds is reported without the
+variable, file or flag it came from (``trainer.publish_every  Input should be greater than
+or equal to 1 [input_value='0']``, tried with pydantic-settings 2.16): the one-line errors
+naming the source would need one validation per layer, the layering again. Its command
+line names flags by path (``--trainer.publish_every``) unless each is aliased, and it would
+add pydantic to the core install. tyro (torchtitan's) builds only the command line, from the
+same dataclasses (``--publish-every`` per command with ``OmitArgPrefixes``): the file and
+environment layers, their provenance and the bounds would stay here, and it would become a
+core dependency for the ~25 lines of :func:`add_flags`.
 """
 
 from __future__ import annotations
@@ -23,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from weightcast.contract.errors import ConfigError
-from weightcast.runtime.config import SECTION_COMMANDS, Config, Spec
+from weightcast.runtime.config import SECTION_COMMANDS, Config
+from weightcast.runtime.spec import Spec
 
 ENV_PREFIX = "WEIGHTCAST_"
 
@@ -162,8 +175,9 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from the settings' declarations in `shared/weightcast/runtime/config.py` "
-        "(`python scripts/gen_config_docs.py`); a test fails when this page is stale.",
+        "Generated from the settings' declarations, each role's beside its code and composed in "
+        "`shared/weightcast/runtime/config.py` (`python scripts/gen_config_docs.py`); a test "
+        "fails when this page is stale.",
         "",
         "Settings come from, in rising precedence: defaults, a TOML file (`--config`), "
         "`WEIGHTCAST_*` environment variables, command-line flags. Every value is checked "
