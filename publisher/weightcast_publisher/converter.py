@@ -68,7 +68,7 @@ HF_INDEX = "model.safetensors.index.json"
 TMP_VERSION_PREFIX = ".tmp-v"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
     tp: int = 1
     layout: str = LAYOUT_VLLM_FUSED

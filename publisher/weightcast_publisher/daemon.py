@@ -411,23 +411,23 @@ class Publisher:
         manifest, snapshot_info = published.manifest, snapshot.info
         path = version_dir_name(version)
         entry = VersionInfo(
-            version,
-            path,
-            snapshot.step,
-            manifest.layout,
-            manifest.tp,
-            manifest.dtype,
-            manifest.total_bytes,
-            published.manifest_sha256,
-            snapshot_info.run_id,
-            0.0,  # the time of each try, below
-            manifest.delta.base_version if manifest.delta else 0,
-            manifest.delta.bytes if manifest.delta else 0,
-            snapshot_info.snapshot_id,
-            float(snapshot_info.created_at),
-            manifest.per_rank_files,
-            f"{path}/{manifest.hf_dir}" if manifest.hf_dir else "",
-            published.no_delta,
+            version=version,
+            path=path,
+            step=snapshot.step,
+            layout=manifest.layout,
+            tp=manifest.tp,
+            dtype=manifest.dtype,
+            bytes=manifest.total_bytes,
+            manifest_sha256=published.manifest_sha256,
+            run_id=snapshot_info.run_id,
+            created_at=0.0,  # the time of each try, below
+            delta_from=manifest.delta.base_version if manifest.delta else 0,
+            delta_bytes=manifest.delta.bytes if manifest.delta else 0,
+            snapshot_id=snapshot_info.snapshot_id,
+            snapshot_created_at=float(snapshot_info.created_at),
+            per_rank_files=manifest.per_rank_files,
+            hf_path=f"{path}/{manifest.hf_dir}" if manifest.hf_dir else "",
+            no_delta=published.no_delta,
         )
         while True:
             registered_at = time.time()
