@@ -120,6 +120,11 @@ class VersionInfo:
         return fields | {"created_at": repr(float(self.created_at))}
 
 
+TMP_VERSION_PREFIX = ".tmp-v"
+"""Where a version is written before it is renamed whole to its directory (``.tmp-v17/``); a
+new leader sweeps what starts with it."""
+
+
 def version_dir_name(version: int) -> str:
     """The directory of ``version`` in the weights directory (``v17``): the one definition
     the publisher writes, deltas find their base by, and a new leader sweeps by."""
