@@ -12,7 +12,8 @@ whole. Fused files are named ``*.vllm-fused`` and their ``config.json`` names th
 architecture (:func:`~weightcast.contract.layout.fused_config`), so stock vLLM refuses them
 instead of loading them wrong. A snapshot file that already is an HF file the plan asks for
 (one rank, every tensor whole) is linked into the version instead of copied; it is still read
-once for its digests. The caller (the daemon) registers the result.
+once for its digests. The caller (:mod:`~weightcast_publisher.publishing`) finishes the
+version in the publisher's store and registers it.
 """
 
 from __future__ import annotations
