@@ -80,8 +80,9 @@ def registered(weights: Path, version: int) -> VersionInfo:
     text = (weights / f"v{version}" / MANIFEST_NAME).read_bytes()
     manifest = Manifest.from_json(text)
     return VersionInfo(
-        version, f"v{version}", 1, manifest.layout, manifest.tp, manifest.dtype,
-        manifest.total_bytes, sha256_bytes(text), "bench", time.time(),
+        version=version, path=f"v{version}", step=1, layout=manifest.layout, tp=manifest.tp,
+        dtype=manifest.dtype, bytes=manifest.total_bytes, manifest_sha256=sha256_bytes(text),
+        run_id="bench", created_at=time.time(),
     )  # fmt: skip
 
 

@@ -98,8 +98,9 @@ def measure(directory: Path, what: str) -> None:
     def info(number: int) -> VersionInfo:
         m = Manifest.read(weights / f"v{number}")
         return VersionInfo(
-            number, f"v{number}", m.step, m.layout, m.tp, m.dtype, m.total_bytes,
-            shas[number], m.run_id, time.time(),
+            version=number, path=f"v{number}", step=m.step, layout=m.layout, tp=m.tp,
+            dtype=m.dtype, bytes=m.total_bytes, manifest_sha256=shas[number],
+            run_id=m.run_id, created_at=time.time(),
         )  # fmt: skip
 
     reader = VersionReader(weights, keep_base=what == "delta")

@@ -12,7 +12,8 @@ whole. Fused files are named ``*.vllm-fused`` and their ``config.json`` names th
 architecture (:func:`~weightcast.contract.layout.fused_config`), so stock vLLM refuses them
 instead of loading them wrong. A snapshot file that already is an HF file the plan asks for
 (one rank, every tensor whole) is linked into the version instead of copied; it is still read
-once for its digests. The caller (the daemon) registers the result.
+once for its digests. The caller (:mod:`~weightcast_publisher.publishing`) finishes the
+version in the publisher's store and registers it.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, pl
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
-from weightcast.contract.version_info import version_dir_name
-from weightcast.store.base import PartUpload, RemoteStore
+from weightcast.contract.version_info import TMP_VERSION_PREFIX, version_dir_name
+from weightcast.store.base import VersionWrite
+from weightcast.store.directory import WrittenHere
 from weightcast_publisher.delta_writer import (
     AUTO_WAIT_SHARE,
     DELTA_AUTO,
@@ -65,10 +67,9 @@ from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot, read_c
 from weightcast_publisher.sources import READER_AUTO, Source, open_source
 
 HF_INDEX = "model.safetensors.index.json"
-TMP_VERSION_PREFIX = ".tmp-v"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
     tp: int = 1
     layout: str = LAYOUT_VLLM_FUSED
@@ -100,7 +101,8 @@ class ConvertOptions:
 
 @dataclass(frozen=True)
 class ConvertedVersion:
-    """A version written (and its weights files sent, with a store) but not registered yet."""
+    """A version written (and its weights files sent, to a store that takes them as they are
+    written) but not registered yet."""
 
     path: Path
     manifest: Manifest
@@ -112,36 +114,6 @@ class ConvertedVersion:
     """Why the version has no delta although it had a base ('' when it has one, or no base)."""
     no_delta_kind: str = ""
     """That reason in a word (``delta_writer.DROP_*``)."""
-    uploaded: frozenset[str] = frozenset()
-    """The files already in the object store: sent as they were written."""
-
-
-class Uploads:
-    """The version's weights files sent to the object store as the writer writes them (no
-    second pass over their bytes); the rest are uploaded from the directory afterwards."""
-
-    def __init__(self, remote: RemoteStore | None, version: int) -> None:
-        self.remote = remote
-        self.name = version_dir_name(version)
-        self.done: set[str] = set()
-        self.open: list[PartUpload] = []
-
-    def start(self, file: str) -> PartUpload | None:
-        if self.remote is None:
-            return None
-        upload = self.remote.open_upload(self.name, file)
-        self.open.append(upload)
-        return upload
-
-    def finish(self, file: str, upload: PartUpload | None) -> None:
-        if upload is not None:
-            upload.complete()
-            self.open.remove(upload)
-            self.done.add(file)
-
-    def abort(self) -> None:
-        for upload in self.open:
-            upload.abort()
 
 
 def convert(
@@ -149,10 +121,11 @@ def convert(
     weights_dir: Path,
     version: int,
     options: ConvertOptions | None = None,
-    remote: RemoteStore | None = None,
+    store: VersionWrite | None = None,
 ) -> ConvertedVersion:
     """Write ``snapshot`` as version ``version`` in ``weights_dir``; its weights files also
-    to ``remote`` as they are written (the rest is the publisher's to upload).
+    to ``store`` (the version begun in the publisher's store) as they are written: the rest
+    is the publisher's to finish. Whatever fails aborts ``store``'s version.
 
     Raises :class:`CorruptSnapshot` for a snapshot that cannot be published (the daemon
     quarantines it), LayoutError for a tp vLLM would refuse for this model (the setting is
@@ -169,9 +142,9 @@ def convert(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     sink = _delta_sink(weights_dir, tmp, version, plan, options) if options.delta else None
-    uploads = Uploads(remote, version)
+    store = store or WrittenHere()
     try:
-        files, linked = _write_files(tmp, plan, source, config, options.digest, sink, uploads)
+        files, linked = _write_files(tmp, plan, source, config, options.digest, sink, store)
         delta = sink.finish() if sink is not None else None
         if delta is not None:
             files.append(delta[1])
@@ -183,7 +156,7 @@ def convert(
         fsync_path(tmp)
         publish_dir(tmp, final)
     except BaseException as exc:
-        uploads.abort()
+        store.abort()
         if sink is not None:
             sink.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,9 +166,8 @@ def convert(
             raise CorruptSnapshot(f"a data file is shorter than its header says: {exc}") from None
         raise
     dropped = ("", "") if sink is None else (sink.reason, sink.kind)
-    done = frozenset(uploads.done)
     return ConvertedVersion(
-        final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped, done
+        final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped
     )
 
 
@@ -225,20 +197,20 @@ def _write_files(
     config: dict[str, Any],
     digest: str,
     sink: DeltaSink | None = None,
-    uploads: Uploads | None = None,
+    store: VersionWrite | None = None,
 ) -> tuple[list[FileEntry], int]:
     """Every file of the version, in ``tmp``; their manifest entries and how many linked.
-    The listed weights files feed ``sink``, the delta; the written ones ``uploads``."""
-    uploads = uploads or Uploads(None, 0)
+    The listed weights files feed ``sink``, the delta; the written ones ``store``."""
+    store = store or WrittenHere()
     if plan.hf_dir:
         (tmp / plan.hf_dir).mkdir()
-    files = [_write(tmp, planned, source, digest, plan.tp, sink, uploads) for planned in plan.fused]
+    files = [_write(tmp, planned, source, digest, plan.tp, sink, store) for planned in plan.fused]
     linked = 0
     hf_sink = None if plan.fused else sink
     for planned in plan.hf:
         entry = _link(tmp, planned, source, digest, hf_sink)
         linked += entry is not None
-        files.append(entry or _write(tmp, planned, source, digest, 1, hf_sink, uploads))
+        files.append(entry or _write(tmp, planned, source, digest, 1, hf_sink, store))
     if plan.hf:
         hf_dir = f"{plan.hf_dir}/" if plan.hf_dir else ""
         weight_map = dict(sorted(plan.hf_index.items()))
@@ -259,10 +231,10 @@ def _write(
     digest: str,
     tp: int = 1,
     sink: DeltaSink | None = None,
-    uploads: Uploads | None = None,
+    store: VersionWrite | None = None,
 ) -> FileEntry:
-    """Write ``planned`` (to the object store too, through ``uploads``); with ``tp`` > 1 its
-    blocks are cut between the ranks' rows."""
+    """Write ``planned`` (to the store too, part by part, when it takes the file's parts);
+    with ``tp`` > 1 its blocks are cut between the ranks' rows."""
     outputs = [
         OutputTensor(
             t.name,
@@ -273,10 +245,10 @@ def _write(
         )
         for t in planned.tensors
     ]
-    upload = uploads.start(planned.name) if uploads is not None else None
+    upload = store.file(planned.name) if store is not None else None
     entry = write_safetensors(tmp / planned.name, outputs, digest, planned.name, sink, upload)
-    if uploads is not None:
-        uploads.finish(planned.name, upload)
+    if upload is not None:
+        upload.complete()
     return entry
 
 

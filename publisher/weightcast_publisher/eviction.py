@@ -9,28 +9,23 @@ Of the versions older than the newest ``keep``, those whose delta can still be a
 node's chain to the newest version (it is on the chain of ``delta_from`` from the newest one,
 no version without a delta in between) stay as **delta-only** versions while they are among
 the newest ``delta_window`` such (:meth:`Leases.trim`: out of ``versions``, into ``deltas``,
-the directory trimmed to ``manifest.json``, ``config.json`` and the delta file by
-:func:`trim_version_files`); every other one is evicted whole (:func:`remove_version_files`).
+its files trimmed to :func:`delta_only_names` in the store: the publisher's
+:meth:`~weightcast.store.base.WritableStore.trim_version`); every other one is evicted whole
+(:meth:`~weightcast.store.base.WritableStore.remove_version`).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import redis
 
 from weightcast.contract.delta import CODECS, delta_file_name
-from weightcast.contract.durable import exchange_dirs, fsync_path, remove_dir, trash_path
 from weightcast.contract.keys import Keys
 from weightcast.contract.leases import Leases
 from weightcast.contract.manifest import MANIFEST_NAME
 from weightcast.contract.snapshot_format import CONFIG_NAME
-from weightcast.contract.version_info import version_dir_name
-from weightcast_publisher.converter import TMP_VERSION_PREFIX
 
 
 @dataclass
@@ -128,55 +123,8 @@ class Evictor:
         return done
 
 
-def remove_version_files(weights_dir: Path, version: int) -> None:
-    """Remove every file of an evicted ``version`` (its directory, renamed away first)."""
-    remove_dir(weights_dir / version_dir_name(version))
-
-
 def delta_only_names(delta_from: int) -> set[str]:
     """The files a delta-only version keeps: what a node reads of a chain's link (the
     manifest and the delta, in any codec a node reads: an older publisher's too) and the
     config the manifest lists."""
     return {MANIFEST_NAME, CONFIG_NAME, *(delta_file_name(delta_from, c) for c in CODECS)}
-
-
-def trim_version_files(weights_dir: Path, version: int, delta_from: int) -> None:
-    """Trim a delta-only ``version``'s directory to :func:`delta_only_names`, atomically
-    where the filesystem swaps directories: a trimmed copy (hard links to the same files) is
-    built aside and exchanged with ``v<N>/`` in one step, so ``v<N>/`` is always the whole
-    directory or the trimmed one, the kept files the same inodes in both. Elsewhere the other
-    files are removed in place (no lease is live on the version and no node reads more than
-    the kept files of a delta-only version). A no-op on a trimmed directory."""
-    final = weights_dir / version_dir_name(version)
-    keep = delta_only_names(delta_from)
-    try:
-        extra = [e for e in os.scandir(final) if e.name not in keep]
-    except FileNotFoundError:
-        return
-    if not extra:
-        return
-    # Built as .tmp-v<N>-delta-only/: a name the new leader's sweep of temp directories removes.
-    tmp = weights_dir / f"{TMP_VERSION_PREFIX}{version}-delta-only"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        for name in sorted(keep):
-            if (final / name).is_file():
-                os.link(final / name, tmp / name)
-        fsync_path(tmp)
-        swapped = exchange_dirs(tmp, final)
-    except OSError:
-        swapped = False
-    if swapped:
-        fsync_path(weights_dir)
-        remove_dir(tmp)  # the whole directory, under the temp name since the swap
-        return
-    shutil.rmtree(tmp, ignore_errors=True)
-    for entry in extra:  # no atomic swap here: remove the other files in place
-        path = Path(entry.path)
-        if entry.is_dir(follow_symlinks=False):
-            os.rename(path, aside := trash_path(path))
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    fsync_path(final)

@@ -172,7 +172,7 @@ def corrupt(versions: RealSizeVersions, version: int) -> None:
         directory / FUSED_WEIGHTS_FILE: (start + stop) // 2,
         directory / manifest.delta.file: offset + length // 2,
     }
-    remote = versions.deployment.publisher.remote
+    remote = versions.deployment.bucket()
     for path, at in places.items():
         with open(path, "r+b") as f:
             f.seek(at)
@@ -217,7 +217,7 @@ def published(
             yield publish_versions(deployment, hf_root)
         finally:
             deployment.publisher.lock.release()
-            remote = deployment.publisher.remote
+            remote = deployment.bucket()
             if remote is not None:  # the tier's 7 GB of objects, and of files, not kept
                 for name in remote.version_names():
                     remote.remove_version(name)

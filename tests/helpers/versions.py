@@ -10,6 +10,7 @@ import shutil
 import struct
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import redis
 import torch
@@ -35,10 +36,14 @@ from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.sharding import rank_slice
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS
 from weightcast.runtime.settings import load_config
+from weightcast.store.mirror import MirroredStore
 from weightcast_publisher.daemon import Publisher
 
 from helpers.models import SMALL_GQA
 from helpers.snapshots import write_snapshot
+
+if TYPE_CHECKING:
+    from weightcast.store.s3 import S3Store
 
 
 class Deployment:
@@ -76,7 +81,8 @@ class Deployment:
         self.common = config.common
         self.publisher_settings = config.publisher
         self.publisher = Publisher(config)
-        self.registry, self.evictor = self.publisher.registry, self.publisher.evictor
+        self.registry = self.publisher.registry
+        self.evictor = self.publisher.housekeeping.evictor
         self.step = 0
 
     def publish(self, state: dict[str, torch.Tensor] | None = None) -> int:
@@ -86,6 +92,16 @@ class Deployment:
         write_snapshot(self.root / "checkpoints", self.step, self.shape, state)
         self.publisher.scan_once()
         return int(self.client.get(self.keys.latest))
+
+    def bucket(self) -> S3Store | None:
+        """The bucket the publisher's weights directory is mirrored to; None without one."""
+        from weightcast.store.s3 import S3Store  # boto3 only where a bucket is used
+
+        store = self.publisher.store
+        if not isinstance(store, MirroredStore):
+            return None
+        assert isinstance(store.remote, S3Store)
+        return store.remote
 
     def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
         return WeightsClient(

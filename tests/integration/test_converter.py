@@ -208,7 +208,7 @@ def test_hf_layout_loads_in_transformers_with_the_source_logits(
     hf_files = {}
     for number, layout in enumerate(["hf", LAYOUT_BOTH], start=1):
         published = convert(
-            snapshot_at(snapshot), tmp_path / "weights", number, ConvertOptions(2, layout)
+            snapshot_at(snapshot), tmp_path / "weights", number, ConvertOptions(tp=2, layout=layout)
         )
         version = published.path
         manifest = Manifest.read(version)

@@ -187,7 +187,9 @@ def test_a_chain_larger_than_the_version_is_not_applied(run: Run) -> None:
     """Versions that share nothing: each delta kept (delta_max_ratio 1.0) is about the
     version's size, so three together are larger than reading the newest whole."""
     publisher = run.deployment.publisher
-    publisher.options = dataclasses.replace(publisher.options, delta_max_ratio=1.0)
+    publisher.publishing.options = dataclasses.replace(
+        publisher.publishing.options, delta_max_ratio=1.0
+    )
     node = keeping(run)
     node.rank_tensors(run.publish(), 0, TP)
     gen = torch.Generator().manual_seed(1)
@@ -272,12 +274,12 @@ def test_a_window_of_zero_evicts_whole_as_before(run: Run) -> None:
 def test_a_version_without_a_delta_ends_the_window(run: Run) -> None:
     for _ in range(3):
         run.publish()
-    run.deployment.publisher.options = dataclasses.replace(
-        run.deployment.publisher.options, delta=False
+    run.deployment.publisher.publishing.options = dataclasses.replace(
+        run.deployment.publisher.publishing.options, delta=False
     )
     run.publish()  # v4: no delta, no chain can cross it
-    run.deployment.publisher.options = dataclasses.replace(
-        run.deployment.publisher.options, delta=True
+    run.deployment.publisher.publishing.options = dataclasses.replace(
+        run.deployment.publisher.publishing.options, delta=True
     )
     run.publish()
     run.publish()
@@ -290,7 +292,7 @@ def test_a_restarted_publisher_finishes_a_trim_a_crash_interrupted(run: Run) -> 
     version = run.deltas()[0]
     shutil.copy(run.dir(newest) / WEIGHTS, run.dir(version) / WEIGHTS)  # as before the trim
     (run.deployment.root / "weights" / f".tmp-v{version}-delta-only").mkdir()
-    run.deployment.publisher.clean_weights_dir()
+    run.deployment.publisher.housekeeping.clean_weights_dir()
     assert not (run.dir(version) / WEIGHTS).exists()
     assert (run.dir(version) / MANIFEST_NAME).exists()
     assert not (run.deployment.root / "weights" / f".tmp-v{version}-delta-only").exists()

@@ -79,8 +79,9 @@ def info(published: ConvertedVersion) -> VersionInfo:
     text = (published.path / MANIFEST_NAME).read_bytes()
     m = published.manifest
     return VersionInfo(
-        m.version, published.path.name, m.step, m.layout, m.tp, m.dtype, m.total_bytes,
-        sha256_bytes(text), m.run_id, time.time(),
+        version=m.version, path=published.path.name, step=m.step, layout=m.layout, tp=m.tp,
+        dtype=m.dtype, bytes=m.total_bytes, manifest_sha256=sha256_bytes(text),
+        run_id=m.run_id, created_at=time.time(),
     )  # fmt: skip
 
 
@@ -330,15 +331,15 @@ def test_with_deltas_on_each_version_is_read_back_into_the_page_cache_as_the_nex
         pytest.skip(f"{tmp_path} takes no O_DIRECT: every write lands in the page cache there")
     deployment = Deployment(client, keys, tmp_path, redis_server.url, shape=SHAPE)
     publisher = deployment.publisher
-    publisher.options = dataclasses.replace(publisher.options, delta=delta)
+    publisher.publishing.options = dataclasses.replace(publisher.publishing.options, delta=delta)
     version = deployment.publish()
     weights = tmp_path / "weights" / f"v{version}" / FUSED_WEIGHTS_FILE
     if delta:
-        assert publisher.warming is not None
-        publisher.warming.join(timeout=120)
+        assert publisher.publishing.warming is not None
+        publisher.publishing.warming.join(timeout=120)
         assert cached_bytes(weights) == weights.stat().st_size
     else:
-        assert publisher.warming is None
+        assert publisher.publishing.warming is None
         assert cached_bytes(weights) < weights.stat().st_size
 
 
@@ -467,10 +468,10 @@ def test_the_publisher_counts_the_nodes_that_report(
     redis_server: RedisServer, client: redis.Redis, keys: Keys, tmp_path: Path
 ) -> None:
     deployment = Deployment(client, keys, tmp_path, redis_server.url, shape=SHAPE)
-    assert deployment.publisher.live_nodes() == 0
+    assert deployment.publisher.publishing.live_nodes() == 0
     for node in ("a", "b", "c"):
         client.hset(keys.nodes, node, NodeReport(1, time.time()).encode())
-    assert deployment.publisher.live_nodes() == 3
+    assert deployment.publisher.publishing.live_nodes() == 3
 
 
 def test_auto_lets_the_write_wait_on_the_encoding_for_a_third_of_its_time(

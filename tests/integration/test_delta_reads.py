@@ -160,8 +160,8 @@ def test_without_a_base_or_a_delta_the_node_reads_in_full(run: Run) -> None:
         "full",
         "the node holds no earlier version",
     )
-    run.deployment.publisher.options = dataclasses.replace(
-        run.deployment.publisher.options, delta=False
+    run.deployment.publisher.publishing.options = dataclasses.replace(
+        run.deployment.publisher.publishing.options, delta=False
     )
     version = run.publish()
     assert run.manifest(version).delta is None
@@ -188,8 +188,8 @@ def test_a_full_read_lets_go_of_the_held_version_before_it_reads(
         return read_file(self, *args, **kwargs)
 
     monkeypatch.setattr(VersionReader, "_read_file", reading)
-    run.deployment.publisher.options = dataclasses.replace(
-        run.deployment.publisher.options, delta=False
+    run.deployment.publisher.publishing.options = dataclasses.replace(
+        run.deployment.publisher.publishing.options, delta=False
     )
     node.rank_tensors(run.publish(), 0, TP)
     assert node.files.stats.via == "full"

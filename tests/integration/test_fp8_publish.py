@@ -84,8 +84,9 @@ def info(published: ConvertedVersion) -> VersionInfo:
     text = (published.path / MANIFEST_NAME).read_bytes()
     m = published.manifest
     return VersionInfo(
-        m.version, published.path.name, m.step, m.layout, m.tp, m.dtype, m.total_bytes,
-        sha256_bytes(text), m.run_id, time.time(),
+        version=m.version, path=published.path.name, step=m.step, layout=m.layout, tp=m.tp,
+        dtype=m.dtype, bytes=m.total_bytes, manifest_sha256=sha256_bytes(text),
+        run_id=m.run_id, created_at=time.time(),
     )  # fmt: skip
 
 

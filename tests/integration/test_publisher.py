@@ -209,8 +209,9 @@ def test_only_the_lock_holder_publishes_and_registers(
 
     # A paused ex-leader whose lock was taken over cannot register what it converted.
     entry = VersionInfo(
-        7, "x", 1, "vllm-fused", 1, "bfloat16", 0, "0" * 64, "r", 0.0, snapshot_id="snap"
-    )
+        version=7, path="x", step=1, layout="vllm-fused", tp=1, dtype="bfloat16", bytes=0,
+        manifest_sha256="0" * 64, run_id="r", created_at=0.0, snapshot_id="snap",
+    )  # fmt: skip
     event = Published(7, 1, 0.0, "x", "snap")
     assert standby.registry.register(entry, event, standby.lock.holder) == NOT_LEADER
     assert not client.exists(keys.version(7))

@@ -60,9 +60,15 @@ def deployment(
     return Deployment(client, keys, tmp_path, redis_server.url, tp=2, store=settings)
 
 
+def bucket(deployment: Deployment) -> S3Store:
+    """The bucket the publisher's weights directory is mirrored to."""
+    store = deployment.bucket()
+    assert store is not None
+    return store
+
+
 def objects(deployment: Deployment, prefix: str = "") -> list[str]:
-    store = deployment.publisher.remote
-    assert isinstance(store, S3Store)
+    store = bucket(deployment)
     return sorted(k[len(store.prefix) :] for k in store._keys(store.prefix + prefix))
 
 
@@ -158,14 +164,12 @@ def test_a_leased_version_keeps_its_objects_until_released(deployment: Deploymen
 
 
 def put(server: S3Server, deployment: Deployment, key: str, body: bytes) -> None:
-    store = deployment.publisher.remote
-    assert isinstance(store, S3Store)
+    store = bucket(deployment)
     s3_client(server).put_object(Bucket=store.bucket, Key=store.prefix + key, Body=body)
 
 
 def get(server: S3Server, deployment: Deployment, key: str) -> bytes:
-    store = deployment.publisher.remote
-    assert isinstance(store, S3Store)
+    store = bucket(deployment)
     answer = s3_client(server).get_object(Bucket=store.bucket, Key=store.prefix + key)
     return bytes(answer["Body"].read())
 
@@ -191,8 +195,7 @@ def test_an_object_changed_after_registration_is_refused(
     deployment.publish()
     key = f"v1/{name}"
     if change is None:
-        store = deployment.publisher.remote
-        assert isinstance(store, S3Store)
+        store = bucket(deployment)
         s3_client(s3_server).delete_object(Bucket=store.bucket, Key=store.prefix + key)
     else:
         put(s3_server, deployment, key, change(get(s3_server, deployment, key)))
@@ -249,12 +252,11 @@ def test_leftovers_of_a_killed_upload_are_removed_at_the_next_start_registered_o
     deployment: Deployment, s3_server: S3Server
 ) -> None:
     deployment.publish()
-    store = deployment.publisher.remote
-    assert isinstance(store, S3Store)
+    store = bucket(deployment)
     raw = s3_client(s3_server)
     raw.put_object(Bucket=store.bucket, Key=store.prefix + "v9/config.json", Body=b"{}")
     raw.create_multipart_upload(Bucket=store.bucket, Key=store.prefix + "v9/model.vllm-fused")
-    deployment.publisher.clean_weights_dir()
+    deployment.publisher.housekeeping.clean_weights_dir()
     assert {k.split("/")[0] for k in objects(deployment)} == {"v1"}
     uploads = raw.list_multipart_uploads(Bucket=store.bucket, Prefix=store.prefix)
     assert uploads.get("Uploads", []) == []
@@ -357,13 +359,13 @@ def test_the_writer_sends_the_weights_files_as_it_writes_them(
     """With a bucket, the weights files are in it once the version is written, before the
     publisher uploads the rest (no second pass over their bytes), byte for byte the files
     written here; the manifest is not (a node could not find the version yet)."""
-    store = deployment.publisher.remote
-    assert store is not None
+    store = bucket(deployment)
     big = shape_of(4, 4, 64, hidden=1024, inter=3072)  # 42 MB: three parts
     snapshot = write_snapshot(deployment.root / "snapshots", 1, big)
     at = Snapshot(snapshot, read_complete(snapshot))
-    published = convert(at, deployment.root / "w", 7, ConvertOptions(), store)
-    assert published.uploaded == {FUSED_WEIGHTS_FILE}
+    write = store.begin_version("v7")
+    published = convert(at, deployment.root / "w", 7, ConvertOptions(), write)
+    assert write.sent == {FUSED_WEIGHTS_FILE}
     assert (published.path / FUSED_WEIGHTS_FILE).stat().st_size > 2 * PART_BYTES
     assert objects(deployment, "v7/") == [f"v7/{FUSED_WEIGHTS_FILE}"]
     sent = get(s3_server, deployment, f"v7/{FUSED_WEIGHTS_FILE}")

@@ -11,8 +11,9 @@ FULL = 1000
 
 def entry(version: int, delta_from: int, delta_bytes: int = 10, size: int = FULL) -> VersionInfo:
     return VersionInfo(
-        version, f"v{version}", version, "vllm-fused", 1, "bfloat16", size, "0" * 64, "run", 0.0,
-        delta_from, delta_bytes if delta_from else 0,
+        version=version, path=f"v{version}", step=version, layout="vllm-fused", tp=1,
+        dtype="bfloat16", bytes=size, manifest_sha256="0" * 64, run_id="run", created_at=0.0,
+        delta_from=delta_from, delta_bytes=delta_bytes if delta_from else 0,
     )  # fmt: skip
 
 

@@ -18,7 +18,8 @@ from weightcast.contract.untrusted import HashFields
 from weightcast.contract.version_info import VersionInfo, dir_version, version_dir_name
 
 ENTRY = VersionInfo(
-    7, "v7", 12, "vllm-fused", 2, "bfloat16", 4096, "ab" * 32, "run-1", 1700000001.25,
+    version=7, path="v7", step=12, layout="vllm-fused", tp=2, dtype="bfloat16", bytes=4096,
+    manifest_sha256="ab" * 32, run_id="run-1", created_at=1700000001.25,
     delta_from=6, delta_bytes=100, snapshot_id="snap-12", snapshot_created_at=1700000000.5,
     per_rank_files=True, hf_path="v7/hf",
 )  # fmt: skip
@@ -45,7 +46,10 @@ def test_the_registry_entry_is_the_publishers_hash_and_reads_back() -> None:
     }
     raw = {k.encode(): v.encode() for k, v in fields.items()}
     assert VersionInfo.from_fields(7, raw) == ENTRY
-    plain = VersionInfo(7, "v7", 12, "hf", 1, "bfloat16", 1, "ab" * 32, "r", 2.0)
+    plain = VersionInfo(
+        version=7, path="v7", step=12, layout="hf", tp=1, dtype="bfloat16", bytes=1,
+        manifest_sha256="ab" * 32, run_id="r", created_at=2.0,
+    )  # fmt: skip
     assert "hf_path" not in plain.as_fields()  # only a version with an HF copy has one
     assert VersionInfo.from_fields(7, plain.as_fields()) == plain
 

@@ -20,7 +20,7 @@ from weightcast.contract.errors import WeightsError
 from weightcast.contract.untrusted import HashFields
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class VersionInfo:
     """The registry hash of one version.
 
@@ -63,23 +63,23 @@ class VersionInfo:
         Fields from ``delta_from`` on are optional: older publishers wrote none of them."""
         fields = HashFields(raw, f"registry entry of version {version}", WeightsError)
         info = cls(
-            version,
-            fields.text("path"),
-            fields.integer("step"),
-            fields.text("layout"),
-            fields.integer("tp"),
-            fields.text("dtype"),
-            fields.integer("bytes"),
-            fields.text("manifest_sha256"),
-            fields.text("run_id"),
-            fields.number("created_at"),
-            fields.integer("delta_from", 0),
-            fields.integer("delta_bytes", 0),
-            fields.text("snapshot_id", ""),
-            fields.number("snapshot_created_at", 0.0),
-            fields.flag("per_rank_files", False),
-            fields.text("hf_path", ""),
-            fields.text("no_delta", ""),
+            version=version,
+            path=fields.text("path"),
+            step=fields.integer("step"),
+            layout=fields.text("layout"),
+            tp=fields.integer("tp"),
+            dtype=fields.text("dtype"),
+            bytes=fields.integer("bytes"),
+            manifest_sha256=fields.text("manifest_sha256"),
+            run_id=fields.text("run_id"),
+            created_at=fields.number("created_at"),
+            delta_from=fields.integer("delta_from", 0),
+            delta_bytes=fields.integer("delta_bytes", 0),
+            snapshot_id=fields.text("snapshot_id", ""),
+            snapshot_created_at=fields.number("snapshot_created_at", 0.0),
+            per_rank_files=fields.flag("per_rank_files", False),
+            hf_path=fields.text("hf_path", ""),
+            no_delta=fields.text("no_delta", ""),
         )
         if not info.path or not _SHA256.fullmatch(info.manifest_sha256):
             raise WeightsError(
@@ -118,6 +118,11 @@ class VersionInfo:
         if self.no_delta:
             fields["no_delta"] = self.no_delta
         return fields | {"created_at": repr(float(self.created_at))}
+
+
+TMP_VERSION_PREFIX = ".tmp-v"
+"""Where a version is written before it is renamed whole to its directory (``.tmp-v17/``); a
+new leader sweeps what starts with it."""
 
 
 def version_dir_name(version: int) -> str:

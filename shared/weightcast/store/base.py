@@ -5,9 +5,11 @@ A store holds one directory of files per version (``v17/``: ``manifest.json``, `
 the weights files, the delta), named by the registry's ``path`` relative to the store's root.
 Two transports implement it, one file each: a directory every node mounts
 (:mod:`weightcast.store.directory`: the publisher's weights directory itself) and an
-S3-compatible object store (:mod:`weightcast.store.s3`, a :class:`RemoteStore` the publisher
-mirrors each version to); :func:`weightcast.store.factory.open_store` picks one from the
-configured location.
+S3-compatible object store (:mod:`weightcast.store.s3`); :func:`weightcast.store.factory.open_store`
+picks one from the configured location. Both implement the publisher's side too
+(:class:`WritableStore`: write a version, remove it, trim it, clean what a crash left), and
+:class:`~weightcast.store.mirror.MirroredStore` is the weights directory mirrored to a bucket:
+the one store a publisher holds (:func:`weightcast.store.factory.publisher_store`).
 
 Nodes trust a store no more than they trust a shared directory: a version's files are
 checked against the manifest, whose sha256 is in Redis, and every block against its digest.
@@ -20,6 +22,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Protocol, Self
+
+from weightcast.contract.errors import WeightsError
+from weightcast.contract.manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    sha256_bytes,
+    sha256_file,
+)
 
 Identity = tuple[str | int, ...]
 """What tells a stored file from another one stored later under the same name (a directory
@@ -113,20 +123,47 @@ class PartUpload(Protocol):
         ...
 
 
-class RemoteStore(Store):
-    """A store that is not the publisher's weights directory: the publisher writes each
-    version there first (the next delta's base) and then mirrors it here."""
+class VersionWrite(Protocol):
+    """One version on its way into a store, from :meth:`WritableStore.begin_version` on: the
+    publisher writes the version in its weights directory, hands each weights file's parts
+    over as it writes them, then finishes it from that directory."""
+
+    def file(self, name: str) -> PartUpload | None:
+        """Where the parts of the version's file ``name`` go as the writer produces them;
+        None when the store takes the file from the written directory (or holds it there
+        already) at :meth:`finish`."""
+        ...
+
+    def finish(self, local: Path) -> int:
+        """Make the complete local version directory ``local`` the store's version: its files
+        but those sent part by part already, ``manifest.json`` last; how many files it sent
+        (0: the store is that directory). Nothing is registered yet: a failure or a kill
+        leaves what :meth:`WritableStore.remove_version` and
+        :meth:`WritableStore.remove_unfinished` remove."""
+        ...
+
+    def abort(self) -> None:
+        """Give the version up (best effort): the files being sent, and what was sent."""
+        ...
+
+
+HELD = "held"
+"""What :meth:`WritableStore.restore_version` says: the store holds the version."""
+RESTORED = "restored"
+"""... it lacked it and has it now, from the publisher's copy."""
+LOST = "lost"
+"""... it lacks it, and the publisher's copy is not that version either."""
+
+
+class WritableStore(Store):
+    """A store the publisher writes versions to, removes them from and cleans: the weights
+    directory itself (:class:`~weightcast.store.directory.DirectoryStore`), a bucket
+    (:class:`~weightcast.store.s3.S3Store`), or the weights directory mirrored to a bucket
+    (:class:`~weightcast.store.mirror.MirroredStore`)."""
 
     @abstractmethod
-    def open_upload(self, name: str, file: str) -> PartUpload:
-        """Start sending ``file`` of version ``name`` as it is written."""
-
-    @abstractmethod
-    def upload_version(self, name: str, local: Path, uploaded: Collection[str] = ()) -> None:
-        """Make the complete local version directory ``local`` the store's version ``name``:
-        its files but those ``uploaded`` already (:meth:`open_upload`), ``manifest.json``
-        last. Nothing is registered yet: a failure or a kill leaves what
-        :meth:`remove_version` and :meth:`remove_unfinished` remove."""
+    def begin_version(self, name: str) -> VersionWrite:
+        """Start writing version ``name`` (``v17``)."""
 
     @abstractmethod
     def remove_version(self, name: str) -> None:
@@ -142,6 +179,29 @@ class RemoteStore(Store):
         """The names of the version directories the store holds."""
 
     @abstractmethod
-    def remove_unfinished(self) -> int:
-        """Remove what an interrupted upload left that is not a version (unfinished
-        multipart uploads); how many."""
+    def remove_unfinished(self) -> list[str]:
+        """Remove what an interrupted write left that is not a version (temp and trash
+        directories, unfinished multipart uploads); what it removed, for a log line."""
+
+    def restore_version(self, name: str, local: Path, manifest_sha256: str) -> str:
+        """Make sure the store holds version ``name`` with the registered manifest
+        (``manifest_sha256``): when it lacks it (the deployment moved to a new bucket, or the
+        bucket was emptied), it is written again from the publisher's complete copy ``local``,
+        what an interrupted write of it left replaced. :data:`HELD` (nothing to do),
+        :data:`RESTORED`, or :data:`LOST` (``local`` is not that version either)."""
+        if self.manifest_sha256(name) == manifest_sha256:
+            return HELD
+        manifest = local / MANIFEST_NAME
+        if not manifest.is_file() or sha256_file(manifest) != manifest_sha256:
+            return LOST
+        self.remove_version(name)
+        self.begin_version(name).finish(local)
+        return RESTORED
+
+    def manifest_sha256(self, name: str) -> str:
+        """The SHA-256 of version ``name``'s manifest here; empty when it has none."""
+        try:
+            with self.open_version(name) as stored:
+                return sha256_bytes(stored.read_small(MANIFEST_NAME, MAX_MANIFEST_BYTES))
+        except WeightsError:
+            return ""

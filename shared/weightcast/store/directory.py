@@ -10,19 +10,36 @@ the directory before it (``openat``) with ``O_NOFOLLOW``, and every file relativ
 version directory, again with ``O_NOFOLLOW``, then checks with ``fstat`` that it is a regular
 file. A ``..``, an absolute name or a symlink anywhere (the version directory, the manifest,
 a weights file) is refused, so nothing outside the weights root is ever opened.
+
+The publisher's side (:class:`DirectoryStore` as a :class:`~weightcast.store.base.WritableStore`)
+is the weights directory itself: the publisher's writer writes each version there
+(``.tmp-v<N>/`` renamed to ``v<N>/``), so writing one sends nothing; a version is removed by
+renaming it away first (:func:`~weightcast.contract.durable.remove_dir`), trimmed to its delta
+by swapping in a trimmed copy (:meth:`DirectoryStore.trim_version`), and what a crash left is
+swept by its temp and trash names.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Self
 
+from weightcast.contract.durable import (
+    TRASH_PREFIX,
+    exchange_dirs,
+    fsync_path,
+    remove_dir,
+    sweep,
+    trash_path,
+)
 from weightcast.contract.errors import WeightsError
-from weightcast.store.base import Identity, Store
+from weightcast.contract.version_info import TMP_VERSION_PREFIX, dir_version
+from weightcast.store.base import HELD, Identity, PartUpload, WritableStore
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -184,7 +201,7 @@ def _is_symlink(name: str, dir_fd: int | None) -> bool:
         return False
 
 
-class DirectoryStore(Store):
+class DirectoryStore(WritableStore):
     """Versions in a directory: the publisher's weights directory, as each node mounts it."""
 
     def __init__(self, root: Path | str) -> None:
@@ -205,3 +222,81 @@ class DirectoryStore(Store):
 
     def close(self) -> None:
         """Nothing is held open between versions."""
+
+    # The publisher
+
+    def begin_version(self, name: str) -> WrittenHere:
+        return WrittenHere()
+
+    def remove_version(self, name: str) -> None:
+        """Remove every file of version ``name`` (its directory, renamed away first)."""
+        remove_dir(self.root / plain_name(name, "version directory"))
+
+    def trim_version(self, name: str, keep: Collection[str]) -> None:
+        """Trim version ``name``'s directory to the files in ``keep``, atomically where the
+        filesystem swaps directories: a trimmed copy (hard links to the same files) is built
+        aside and exchanged with ``v<N>/`` in one step, so ``v<N>/`` is always the whole
+        directory or the trimmed one, the kept files the same inodes in both. Elsewhere the
+        other files are removed in place (no lease is live on the version and no node reads
+        more than the kept files of a delta-only version). A no-op on a trimmed directory."""
+        final = self.root / plain_name(name, "version directory")
+        try:
+            extra = [e for e in os.scandir(final) if e.name not in keep]
+        except FileNotFoundError:
+            return
+        if not extra:
+            return
+        # Built as .tmp-v<N>-delta-only/: a name the new leader's sweep of temp directories
+        # removes.
+        tmp = self.root / f".tmp-{name}-delta-only"
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir()
+            for file in sorted(keep):
+                if (final / file).is_file():
+                    os.link(final / file, tmp / file)
+            fsync_path(tmp)
+            swapped = exchange_dirs(tmp, final)
+        except OSError:
+            swapped = False
+        if swapped:
+            fsync_path(self.root)
+            remove_dir(tmp)  # the whole directory, under the temp name since the swap
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
+        for entry in extra:  # no atomic swap here: remove the other files in place
+            path = Path(entry.path)
+            if entry.is_dir(follow_symlinks=False):
+                os.rename(path, aside := trash_path(path))
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        fsync_path(final)
+
+    def version_names(self) -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self.root) if dir_version(e.name) is not None)
+        except FileNotFoundError:
+            return []
+
+    def remove_unfinished(self) -> list[str]:
+        """Remove the temp and trash directories a crash left."""
+        return sweep(self.root, (TMP_VERSION_PREFIX, TRASH_PREFIX))
+
+    def restore_version(self, name: str, local: Path, manifest_sha256: str) -> str:
+        """Nothing to restore: this directory is the publisher's copy itself."""
+        return HELD
+
+
+class WrittenHere:
+    """A version the publisher's writer writes in the directory store itself: nothing to
+    send, nothing to remove but what the writer removes."""
+
+    def file(self, name: str) -> PartUpload | None:
+        return None
+
+    def finish(self, local: Path) -> int:
+        return 0
+
+    def abort(self) -> None:
+        """Nothing: the writer removes its temp directory."""

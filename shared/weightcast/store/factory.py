@@ -1,11 +1,11 @@
-"""The store a location names: a directory, or an ``s3://`` URL."""
+"""The store a location names: a directory, or an ``s3://`` URL; the store a publisher writes."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from weightcast.contract.errors import ConfigError
-from weightcast.store.base import Store
+from weightcast.store.base import Store, WritableStore
 from weightcast.store.directory import DirectoryStore
 
 SCHEMES = ("s3",)
@@ -30,3 +30,20 @@ def open_store(location: str | Path | Store, retry_seconds: float = 60.0) -> Sto
     from weightcast.store.s3 import S3Location, S3Store  # boto3 only where S3 is used
 
     return S3Store(S3Location.parse(text), retry_seconds=retry_seconds)
+
+
+def publisher_store(
+    weights_dir: str | Path, location: str = "", retry_seconds: float = 60.0
+) -> WritableStore:
+    """The one store a publisher writes: its weights directory, or (``location`` an object
+    store nodes read) that directory mirrored to it
+    (:class:`~weightcast.store.mirror.MirroredStore`)."""
+    local = DirectoryStore(weights_dir)
+    if not location:
+        return local
+    from weightcast.store.mirror import MirroredStore
+
+    remote = open_store(location, retry_seconds)
+    if not isinstance(remote, WritableStore) or isinstance(remote, DirectoryStore):
+        raise ConfigError(f"weights location {location}: not an object store to mirror to")
+    return MirroredStore(local, remote)

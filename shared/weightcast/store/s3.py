@@ -3,11 +3,13 @@
 The store's root is ``s3://bucket/prefix``; version ``v17`` is the objects under
 ``prefix/v17/``, one per file, so the registry's ``path`` means the same as in a directory.
 
-* The publisher uploads a version it has written locally (:meth:`S3Store.upload_version`):
-  each file as a multipart upload of :data:`PART_BYTES` parts sent in parallel, at most
-  ``concurrency`` parts in memory, the manifest last. It registers the version only after
-  that returns, so a node never finds a partial one; what a kill leaves (objects of an
-  unregistered version, unfinished multipart uploads) is removed at the next start.
+* The publisher uploads a version it has written locally (:class:`S3VersionWrite`): its
+  weights files part by part as the writer writes them, then the rest
+  (:meth:`S3Store.upload_version`), each file as a multipart upload of :data:`PART_BYTES`
+  parts sent in parallel, at most ``concurrency`` parts in memory, the manifest last. It
+  registers the version only after that returns, so a node never finds a partial one; what
+  a kill leaves (objects of an unregistered version, unfinished multipart uploads) is removed
+  at the next start.
 * A node reads only the byte ranges it needs (:meth:`S3Object.read_into`): ranged GETs of at
   most :data:`PART_BYTES`, in parallel, each streamed straight into its destination, with
   ``If-Match`` on the ETag seen when the file was opened, so an object replaced mid-read is
@@ -62,7 +64,7 @@ from weightcast.contract.manifest import MANIFEST_NAME
 from weightcast.contract.version_info import dir_version
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Retries
-from weightcast.store.base import Identity, RemoteStore
+from weightcast.store.base import Identity, WritableStore
 from weightcast.store.directory import plain_name
 from weightcast.store.s3_replies import UnusableReply, store_error
 
@@ -139,7 +141,7 @@ class S3Location:
         return f"s3://{self.bucket}/{self.prefix}"
 
 
-class S3Store(RemoteStore):
+class S3Store(WritableStore):
     """Versions in ``s3://bucket/prefix`` (see the module doc)."""
 
     def __init__(self, location: S3Location, concurrency: int = 16, retry_seconds: float = 60.0):
@@ -225,15 +227,25 @@ class S3Store(RemoteStore):
 
     # The publisher
 
-    def upload_version(self, name: str, local: Path, uploaded: Collection[str] = ()) -> None:
+    def begin_version(self, name: str) -> S3VersionWrite:
+        return S3VersionWrite(self, name)
+
+    def upload_version(self, name: str, local: Path, uploaded: Collection[str] = ()) -> int:
+        """Make the complete local version directory ``local`` the store's version ``name``:
+        its files but those ``uploaded`` already (:meth:`open_upload`), ``manifest.json``
+        last; how many files it sent."""
         plain_name(name, "version directory")
         files = sorted(p.relative_to(local) for p in local.rglob("*") if p.is_file())
         files.sort(key=lambda p: p == Path(MANIFEST_NAME))  # last: the version is complete
+        sent = 0
         for file in files:
             if file.as_posix() not in uploaded:
                 self.upload_file(local / file, self.key(name, *_plain_parts(file.as_posix())))
+                sent += 1
+        return sent
 
     def open_upload(self, name: str, file: str) -> MultipartUpload:
+        """Start sending ``file`` of version ``name`` as it is written."""
         plain_name(name, "version directory")
         return MultipartUpload(self, self.key(name, *_plain_parts(file)), self.upload_slots)
 
@@ -281,7 +293,7 @@ class S3Store(RemoteStore):
         names = {key[len(self.prefix) :].split("/", 1)[0] for key in self._keys(self.prefix)}
         return sorted(name for name in names if dir_version(name) is not None)
 
-    def remove_unfinished(self) -> int:
+    def remove_unfinished(self) -> list[str]:
         removed = 0
         page = self.call(
             "listing unfinished uploads",
@@ -298,7 +310,7 @@ class S3Store(RemoteStore):
                 ),
             )
             removed += 1
-        return removed
+        return [f"{removed} unfinished uploads"] if removed else []
 
     def _keys(self, prefix: str) -> Iterator[str]:
         token = ""
@@ -322,6 +334,38 @@ class S3Store(RemoteStore):
         return page
 
 
+class S3VersionWrite:
+    """A version on its way into the bucket: its weights files sent part by part as the
+    publisher's writer writes them (no second pass over their bytes), the rest uploaded from
+    the written directory at :meth:`finish`."""
+
+    def __init__(self, store: S3Store, name: str) -> None:
+        self.store = store
+        self.name = plain_name(name, "version directory")
+        self.uploads: dict[str, MultipartUpload] = {}
+
+    @property
+    def sent(self) -> set[str]:
+        """The files in the bucket already: sent as they were written."""
+        return {file for file, upload in self.uploads.items() if upload.completed}
+
+    def file(self, name: str) -> MultipartUpload:
+        upload = self.uploads[name] = self.store.open_upload(self.name, name)
+        return upload
+
+    def finish(self, local: Path) -> int:
+        return self.store.upload_version(self.name, local, self.sent)
+
+    def abort(self) -> None:
+        """Give the unfinished uploads up and remove what was sent (best effort: what remains
+        is removed at the next start)."""
+        for upload in self.uploads.values():
+            if not upload.completed:
+                upload.abort()
+        with contextlib.suppress(WeightcastError):
+            self.store.remove_version(self.name)
+
+
 class MultipartUpload:
     """One object sent in parts as its bytes come (from a file, or from the publisher's writer
     as it writes them): each part goes out on the store's pool at once, at most ``slots``
@@ -338,6 +382,7 @@ class MultipartUpload:
             partial(store.client.create_multipart_upload, Bucket=store.bucket, Key=key),
         )
         self.upload_id = str(answer["UploadId"])
+        self.completed = False
 
     def part(self, number: int, data: bytes | memoryview) -> None:
         """Send part ``number`` (1-based; every part but the last at least 5 MiB, S3's rule);
@@ -381,6 +426,7 @@ class MultipartUpload:
                 MultipartUpload={"Parts": parts},
             ),
         )
+        self.completed = True
 
     def abort(self) -> None:
         """Give the upload up (best effort: what remains is removed at the next start)."""
