@@ -17,11 +17,11 @@ import torch
 
 from weightcast.cli.status import collect_status, format_status
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.errors import VersionGone
+from weightcast.contract.errors import VersionGone, WeightsError
 from weightcast.contract.events import Evicted, parse_event
 from weightcast.contract.keys import Keys
 from weightcast.contract.leases import Leases
-from weightcast.contract.manifest import MANIFEST_NAME, Manifest
+from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
 from helpers.models import drift, hf_state, shape_of
@@ -140,6 +140,29 @@ def test_a_link_whose_manifest_lies_gives_a_full_read(run: Run) -> None:
         path.write_bytes(path.read_bytes().replace(b'"step": ', b'"step":  '))
 
     full_read_after_refused_chain(run, lie, "sha256 differs from the registry's manifest_sha256")
+
+
+def test_a_link_whose_delta_is_from_another_version_gives_a_full_read(run: Run) -> None:
+    """The registry's ``delta_from`` found the chain; the link's manifest, checked against
+    its registry digest, says otherwise: no byte changes, the reason names the link."""
+
+    def relink(newest: int) -> None:
+        link = newest - 2
+        manifest = run.manifest(link)
+        assert manifest.delta is not None
+        delta = dataclasses.replace(manifest.delta, base_version=link - 2)
+        text = dataclasses.replace(manifest, delta=delta).to_json().encode()
+        (run.dir(link) / MANIFEST_NAME).write_bytes(text)
+        key = run.deployment.keys.version(link)
+        run.deployment.client.hset(key, "manifest_sha256", sha256_bytes(text))
+
+    newest = 5  # held_at: v1 held, v2 to v5 published after it
+    full_read_after_refused_chain(
+        run,
+        relink,
+        f"link {newest - 2}: the delta of version {newest - 2} is from version {newest - 4}; "
+        f"the link before it is version {newest - 3}",
+    )
 
 
 def test_a_missing_link_directory_gives_a_full_read(run: Run) -> None:
@@ -296,3 +319,28 @@ def test_a_restarted_publisher_finishes_a_trim_a_crash_interrupted(run: Run) -> 
     assert not (run.dir(version) / WEIGHTS).exists()
     assert (run.dir(version) / MANIFEST_NAME).exists()
     assert not (run.deployment.root / "weights" / f".tmp-v{version}-delta-only").exists()
+
+
+def test_a_version_refused_at_the_end_of_its_chain_leaves_the_held_tensors_as_they_were(
+    run: Run,
+) -> None:
+    """One rollback rule for a chain as for one delta: the newest's header and tensor parts
+    are checked on the blocks every link rebuilt; a tensor its manifest lies about refuses
+    the version and every link is changed back (the held tensors bitwise the version held,
+    the base still that version)."""
+    node, held, newest = held_at(run)
+    kept = copies(held)
+    path = run.dir(newest) / MANIFEST_NAME
+    manifest = Manifest.read(run.dir(newest))
+    tensors = [
+        dataclasses.replace(t, dtype="float16") if t.name == "model.norm.weight" else t
+        for t in manifest.tensors
+    ]
+    text = dataclasses.replace(manifest, tensors=tensors).to_json().encode()
+    path.write_bytes(text)
+    version_key = run.deployment.keys.version(newest)
+    run.deployment.client.hset(version_key, "manifest_sha256", sha256_bytes(text))
+    with pytest.raises(WeightsError, match=r"tensor model\.norm\.weight is missing or not float16"):
+        node.rank_tensors(newest, 0, TP)
+    assert same(held, kept), "the tensors held before were changed"
+    assert node.files.base is not None and node.files.base.version == newest - 4

@@ -418,8 +418,9 @@ REFUSALS = {
 def test_a_version_refused_after_its_delta_applies_leaves_the_held_tensors_as_they_were(
     run: Run, case: str
 ) -> None:
-    """The new header and tensor parts are checked before a byte changes: the refused version
-    changes nothing the node holds, and once the version is put right it reads by delta."""
+    """The new header and tensor parts are checked on the rebuilt blocks, which are changed
+    back when they fail: the refused version changes nothing the node holds, and once the
+    version is put right it reads by delta."""
     change, message = REFUSALS[case]
     node, full = keeping(run), run.deployment.reader()
     first = run.publish()

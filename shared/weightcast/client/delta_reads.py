@@ -4,9 +4,10 @@ is used.
 
 :class:`HeldBase` is what a reader keeps (``keep_base``): per file a :class:`HeldFile`, the
 verified blocks it read packed in one host buffer, which the tensors it returned are views
-of. :func:`delta_refusal` says why a version cannot be read by delta from it (the node then
-reads the full version and reports why); :class:`DeltaApply` applies the delta's frames of
-exactly those blocks in place (:mod:`weightcast.contract.delta`) and verifies each result.
+of. :func:`delta_refusal` says why a delta cannot rebuild its version from the one held, or
+from the link before it in a chain (the node then reads the full version and reports why);
+:class:`DeltaApply` applies the delta's frames of exactly those blocks in place
+(:mod:`weightcast.contract.delta`) and verifies each result.
 Nothing is copied: the node's cost per changed block is one decompression of its frame, an
 XOR of the bytes that changed, and one hash. A failure puts every block back (XOR is its own
 inverse), so the base, and the tensors the caller holds, stay the version they were.
@@ -118,24 +119,25 @@ class HeldBase:
     files: dict[str, HeldFile] = field(default_factory=dict)
 
 
-def delta_refusal(base: HeldBase | None, manifest: Manifest, wants: tuple[object, ...]) -> str:
-    """Why ``manifest``'s version cannot be read by delta from ``base`` ('' when it can)."""
+def delta_refusal(version: int, manifest: Manifest, before: tuple[int, str], held: bool) -> str:
+    """Why version ``version``'s delta (its ``manifest``'s) cannot rebuild it from ``before``
+    (a version's number and manifest SHA-256: the one the node holds when ``held``, else the
+    link before it in a chain); '' when it can."""
     delta = manifest.delta
-    if base is None:
-        return "the node holds no earlier version"
     if delta is None:
-        return f"version {manifest.version} has no delta"
+        return f"version {version} has no delta"
     if delta.refusal():
         return delta.refusal()
-    if delta.base_version != base.version:
+    number, digest = before
+    if delta.base_version != number:
+        where = "the node holds" if held else "the link before it is"
         return (
-            f"the delta of version {manifest.version} is from version {delta.base_version}; "
-            f"the node holds version {base.version}"
+            f"the delta of version {version} is from version {delta.base_version}; "
+            f"{where} version {number}"
         )
-    if delta.base_manifest_sha256 != base.manifest_sha256:
-        return f"the node's version {base.version} is not the delta's base (another manifest)"
-    if wants != base.wants:
-        return "the node holds another part of the base (another rank or tp)"
+    if delta.base_manifest_sha256 != digest:
+        whose = "the node's" if held else "the link"
+        return f"{whose} version {number} is not the delta's base (another manifest)"
     return ""
 
 
@@ -187,11 +189,11 @@ class DeltaApply:
 
     Made from the delta and the held files (:class:`DeltaError` for a file the delta does not
     cover, blocks cut otherwise than in the base, a frame longer than any frame of its block):
-    nothing is read or changed yet. :meth:`rebuilt` gives N's bytes of a range without
-    changing a block (to check N's header and tensors first); :meth:`apply` changes every
-    held block, verifying each against N's digest, through a bounded window of jobs (work
-    and memory grow with the bytes read, not with a future per block); :meth:`revert`
-    changes them back (XOR is its own inverse), from the frames already read."""
+    nothing is read or changed yet. :meth:`apply` changes every held block, verifying each
+    against N's digest, through a bounded window of jobs (work and memory grow with the bytes
+    read, not with a future per block); :meth:`revert` changes them back (XOR is its own
+    inverse), from the frames already read: the reader's one rollback rule, for one delta
+    or each link of a chain."""
 
     def __init__(
         self,
@@ -236,31 +238,6 @@ class DeltaApply:
                     np.zeros(len(indices), np.bool_),
                 )
             )
-
-    def rebuilt(self, name: str, start: int, stop: int) -> bytes | None:
-        """Version N's bytes ``[start, stop)`` of file ``name``, each block rebuilt aside and
-        verified (the held blocks unchanged); None when a block of them is not held."""
-        file = next(f for f in self.files if f.entry.name == name)
-        blocks = file.entry.blocks
-        assert blocks is not None
-        first = bisect.bisect_right(blocks.starts, start) - 1
-        last = bisect.bisect_left(blocks.starts, stop) - 1
-        pieces = []
-        for index in range(max(first, 0), last + 1):
-            at = int(np.searchsorted(file.indices, index))
-            if at == len(file.indices) or file.indices[at] != index:
-                return None
-            block = file.held.block(index)
-            length = int(file.lengths[at])
-            if length:
-                offset = int(file.offsets[at])
-                job = _Job(file, at, at + 1, offset, self._read(offset, length))
-                block = apply_block(job.frame(at), block, decompressor(), codec=self.codec)
-            _verify(file, index, block)
-            pieces.append(block.tobytes())
-        data = b"".join(pieces)
-        lo = start - blocks.starts[max(first, 0)]
-        return data[lo : lo + stop - start]
 
     def apply(self) -> int:
         """Change every held block into version N's and verify it; on any failure every block

@@ -18,15 +18,17 @@
    that was not checked.
 
 With ``keep_base`` the reader reads the blocks into a buffer it keeps
-(:class:`~weightcast.client.delta_reads.HeldBase`), returns views of it, and reads the next
-version of the same part by its delta when the version lists one from the version held:
-only the delta's frames of those blocks are read, applied in place (the tensors returned
-before become the new version), and every rebuilt block is verified against the new
-version's digest. Handed the entries of the versions between the one held and the one
-asked for (``links``, leased by the caller: :mod:`weightcast.client.chains`), it applies their
-deltas one after the other, all or nothing, when together they are smaller than the version.
-Otherwise (no base, another base, a version skipped, a bad frame, a digest that differs) it
-reads the full version and :attr:`ReadStats.reason` says why.
+(:class:`~weightcast.client.delta_reads.HeldBase`), returns views of it, and has one path to
+the next version of the same part: the deltas from the version held to the one asked for,
+one delta being a chain of one (``links``: the entries of the versions between, leased by the
+caller, :mod:`weightcast.client.chains`; none when the version's own delta is from the one
+held). Only the deltas' frames of the held blocks are read, applied in place link by link
+(the tensors returned before become the new version), and every rebuilt block is verified
+against its link's digest. One rollback rule: whatever fails once a byte has changed, every
+link applied is changed back (XOR is its own inverse), so the held tensors stay bitwise the
+version held. The full read is the path's base case: every first read, and every read the
+deltas cannot serve (no base, another base or part, a version skipped with no chain, a chain
+that does not pay, a bad frame, a digest that differs), :attr:`ReadStats.reason` saying why.
 
 Safetensors headers are parsed defensively (:mod:`weightcast.contract.tensorfile`, the
 parser the publisher uses too) after their own blocks are verified; every size is checked
@@ -109,8 +111,8 @@ class ReadStats:
     blocks_trusted: int = 0
     """Blocks not hashed because the node's record says they were verified already."""
     via: str = "full"
-    """``delta``: rebuilt from the version held and the delta's frames; ``chain``: from the
-    version held and the deltas of several versions in a row; ``full``: read."""
+    """``delta``: rebuilt from the version held by the version's own delta (a chain of one);
+    ``chain``: by the deltas of several versions in a row; ``full``: read."""
     reason: str = ""
     """Why a reader that keeps its base read the full version."""
     links: int = 0
@@ -274,105 +276,62 @@ class VersionReader:
         part: tuple[object, ...],
         links: Sequence[VersionInfo] = (),
     ) -> dict[str, torch.Tensor]:
+        """The one read path: a keeping reader's by the deltas from the version it holds to
+        ``info``'s (``links``' then ``info``'s own: one delta is a chain of one), else the
+        full read, which is also every first read and every read of a reader keeping none."""
         stats = ReadStats()
         with self._open(info) as directory:
             manifest = self._manifest(directory, info)
-            wants: list[Want] = plan(manifest)
             by_file: dict[str, list[Want]] = {}
-            for want in wants:
+            for want in plan(manifest):
                 by_file.setdefault(want.entry.file, []).append(want)
-            if self.keep_base and links and self.base is not None:
-                try:
-                    chained = self._read_chain(
-                        info, links, directory, manifest, by_file, part, stats
-                    )
-                except DeltaError as exc:
-                    stats = ReadStats(reason=f"the delta chain failed: {exc}")
-                else:
-                    if chained is not None:
-                        self.base = HeldBase(
-                            info.version, info.manifest_sha256, manifest, part, self.base.files
-                        )
-                        stats.via = "chain"
-                        self.stats = stats
-                        return chained
-            elif self.keep_base:
-                stats.reason = delta_refusal(self.base, manifest, part)
-                if not stats.reason:
-                    try:
-                        tensors = self._read_delta(directory, manifest, by_file, stats)
-                    except DeltaError as exc:
-                        stats = ReadStats(reason=f"the delta failed: {exc}")
-                    else:
-                        assert self.base is not None
-                        self.base = HeldBase(
-                            info.version, info.manifest_sha256, manifest, part, self.base.files
-                        )
-                        stats.via, stats.links = "delta", 1
-                        self.stats = stats
-                        return tensors
-            # A full read replaces the base: let go of it first, so that a node holds one
-            # version at a time (at 8B, not 32 GB). Should the read fail, the next one is full.
-            self.base = None
-            held = HeldBase(info.version, info.manifest_sha256, manifest, part)
-            tensors = {}
-            for name, file_wants in by_file.items():
-                entry = _file_entry(manifest, name)
-                with directory.open(name, entry.bytes) as f:
-                    got, kept = self._read_file(
-                        f, _key(info), entry, file_wants, stats, keep=self.keep_base
-                    )
-                tensors |= got
-                if kept is not None:
-                    held.files[name] = kept
             if self.keep_base:
-                self.base = held
+                tensors = self._read_by_deltas(
+                    info, links, directory, manifest, by_file, part, stats
+                )
+                if tensors is not None:
+                    assert self.base is not None
+                    self.base = HeldBase(
+                        info.version, info.manifest_sha256, manifest, part, self.base.files
+                    )
+                    stats.via = "delta" if stats.links == 1 else "chain"
+                    self.stats = stats
+                    return tensors
+                stats = ReadStats(reason=stats.reason)
+            tensors = self._read_full(info, directory, manifest, by_file, part, stats)
         self.stats = stats
         return tensors
 
-    def _read_delta(
+    def _read_full(
         self,
+        info: VersionInfo,
         directory: StoredVersion,
         manifest: Manifest,
         by_file: dict[str, list[Want]],
+        part: tuple[object, ...],
         stats: ReadStats,
     ) -> dict[str, torch.Tensor]:
-        """The wanted tensors, the base's held blocks turned into this version's in place
-        (:class:`~weightcast.client.delta_reads.DeltaApply`, every block verified): views of
-        them where the tensor's bytes are contiguous. All or nothing: the new headers and
-        every tensor part are checked on blocks rebuilt aside before a held byte changes, and
-        a failure after that changes every block back."""
-        assert self.base is not None and manifest.delta is not None
-        delta = manifest.delta
-        files = []
-        for name in by_file:
-            held = self.base.files.get(name)
-            if held is None:
-                raise DeltaError(f"the node holds no block of {name}")
-            files.append((_file_entry(manifest, name), _file_entry(self.base.manifest, name), held))
-        with _delta_file(directory, manifest, delta) as frames:
-            change = DeltaApply(delta, frames, files)
-            parts = {}
-            for entry, _, held in files:
-                label = f"{directory.label}/{entry.name}"
-                spans = _header_spans(partial(change.rebuilt, entry.name), entry.bytes, label)
-                parts[entry.name] = [_part(want, spans, label) for want in by_file[entry.name]]
-                for p in parts[entry.name]:
-                    if held.span(*p.rect.extent) is None:
-                        raise DeltaError(f"{label}: the node holds no block of {p.name}")
-            stats.bytes_read += change.apply()
-            try:
-                tensors: dict[str, torch.Tensor] = {}
-                for entry, _, held in files:
-                    label = f"{directory.label}/{entry.name}"
-                    tensors |= _held_tensors(held, parts[entry.name], label)
-                    stats.blocks_hashed += len(held.offsets)
-            except BaseException:
-                change.revert()
-                raise
+        """The wanted tensors read from the version's own files; a keeping reader's base is
+        then their blocks."""
+        # A full read replaces the base: let go of it first, so that a node holds one
+        # version at a time (at 8B, not 32 GB). Should the read fail, the next one is full.
+        self.base = None
+        held = HeldBase(info.version, info.manifest_sha256, manifest, part)
+        tensors = {}
+        for name, file_wants in by_file.items():
+            entry = _file_entry(manifest, name)
+            with directory.open(name, entry.bytes) as f:
+                got, kept = self._read_file(
+                    f, _key(info), entry, file_wants, stats, keep=self.keep_base
+                )
+            tensors |= got
+            if kept is not None:
+                held.files[name] = kept
+        if self.keep_base:
+            self.base = held
         return tensors
 
-    def _read_chain(
+    def _read_by_deltas(
         self,
         info: VersionInfo,
         links: Sequence[VersionInfo],
@@ -383,83 +342,110 @@ class VersionReader:
         stats: ReadStats,
     ) -> dict[str, torch.Tensor] | None:
         """The wanted tensors, the base's held blocks turned into ``info``'s in place by the
-        deltas of ``links`` then ``info``'s own (each verified against its link's manifest,
-        block by block); None (``stats.reason`` says why) when that does not pay.
+        deltas of ``links`` then ``info``'s own (:meth:`_apply`); None when they are not
+        (``stats.reason`` says why; the caller reads the full version).
 
-        Every link's manifest is checked against its registry digest, and its delta must be
-        from the version before it (number and manifest digest) before anything is read.
-        All or nothing: a failure anywhere changes every block changed by every link back
-        (the held tensors are bitwise the version held) and raises a :class:`DeltaError`
-        (the full version is read), or the final version's :class:`WeightsError`."""
+        Checked before a held byte changes: that the node holds this part; every link's
+        manifest against its registry digest; each delta from the version before it (number
+        and manifest digest; the first from the version held); the node holding the blocks
+        of every file the part is in; and for a chain of several, that it reads fewer bytes
+        than this part read whole (a single delta was judged by its publisher). A refusal is
+        its reason (a link's after ``link N:``); a failure (a link that cannot be opened, a
+        damaged delta, a block whose digest differs) is ``the delta failed: ...``, or ``the
+        delta chain failed: ...``."""
         base = self.base
-        assert base is not None
+        if base is None:
+            stats.reason = "the node holds no earlier version"
+            return None
         if part != base.wants:
-            raise DeltaError("the node holds another part of the base (another rank or tp)")
-        with ExitStack() as stack:
-            steps: list[tuple[StoredVersion, Manifest]] = []
-            before = (base.version, base.manifest_sha256)
-            for link in (*links, info):
-                if link is info:
-                    step = (directory, manifest)
-                else:
-                    try:
-                        opened = stack.enter_context(self._open(link))
-                        step = (opened, self._manifest(opened, link))
-                    except WeightsError as exc:
-                        raise DeltaError(f"link {link.version}: {exc}") from None
-                delta = step[1].delta
-                if delta is None:
-                    raise DeltaError(f"version {link.version} has no delta")
-                if delta.refusal():
-                    raise DeltaError(f"version {link.version}: {delta.refusal()}")
-                if (delta.base_version, delta.base_manifest_sha256) != before:
-                    raise DeltaError(
-                        f"the delta of version {link.version} is not from version {before[0]} "
-                        "(as the node holds or rebuilds it)"
-                    )
-                steps.append(step)
-                before = (link.version, link.manifest_sha256)
-            held: dict[str, HeldFile] = {}
-            for name in by_file:
-                if name not in base.files:
-                    raise DeltaError(f"the node holds no block of {name}")
-                held[name] = base.files[name]
-            sizes = []
-            for _, step_manifest in steps:
-                assert step_manifest.delta is not None
-                delta = step_manifest.delta
-                sizes.append(sum(held_frame_bytes(delta, n, held[n]) for n in held))
-            stats.reason = chain_refusal(
-                sizes, sum(held_block_bytes(h) for h in held.values()), self.max_delta_chain
-            )
-            if stats.reason:
-                return None
-            applied: list[DeltaApply] = []
-            try:
-                previous = base.manifest
-                for step_dir, step_manifest in steps:
-                    assert step_manifest.delta is not None
-                    files = [
-                        (_file_entry(step_manifest, n), _file_entry(previous, n), held[n])
-                        for n in held
+            stats.reason = "the node holds another part of the base (another rank or tp)"
+            return None
+        try:
+            with ExitStack() as stack:
+                steps: list[tuple[StoredVersion, Manifest]] = []
+                before = (base.version, base.manifest_sha256)
+                for link in (*links, info):
+                    step = (directory, manifest) if link is info else self._link(stack, link)
+                    why = delta_refusal(link.version, step[1], before, held=not steps)
+                    if why:
+                        stats.reason = why if link is info else f"link {link.version}: {why}"
+                        return None
+                    steps.append(step)
+                    before = (link.version, link.manifest_sha256)
+                held: dict[str, HeldFile] = {}
+                for name in by_file:
+                    if name not in base.files:
+                        raise DeltaError(f"the node holds no block of {name}")
+                    held[name] = base.files[name]
+                if len(steps) > 1:
+                    sizes = [
+                        sum(held_frame_bytes(_delta(m), n, held[n]) for n in held) for _, m in steps
                     ]
-                    with _delta_file(step_dir, step_manifest, step_manifest.delta) as frames:
-                        change = DeltaApply(step_manifest.delta, frames, files)
-                        stats.bytes_read += change.apply()  # reverts its own blocks on failure
-                    applied.append(change)
-                    previous = step_manifest
-                tensors: dict[str, torch.Tensor] = {}
-                for name, file in held.items():
-                    label = f"{directory.label}/{name}"
-                    size = _file_entry(manifest, name).bytes
-                    spans = _header_spans(partial(_held_bytes, file), size, label)
-                    parts = [_part(want, spans, label) for want in by_file[name]]
-                    tensors |= _held_tensors(file, parts, label)
-                    stats.blocks_hashed += len(file.offsets) * len(steps)
-            except BaseException:
-                for change in reversed(applied):
-                    change.revert()
-                raise
+                    full = sum(held_block_bytes(h) for h in held.values())
+                    stats.reason = chain_refusal(sizes, full, self.max_delta_chain)
+                    if stats.reason:
+                        return None
+                return self._apply(base.manifest, steps, held, by_file, stats)
+        except DeltaError as exc:
+            stats.reason = f"the delta{' chain' if links else ''} failed: {exc}"
+            return None
+
+    def _link(self, stack: ExitStack, link: VersionInfo) -> tuple[StoredVersion, Manifest]:
+        """A chain link's files, open until ``stack`` closes, and its checked manifest; a
+        link that cannot be opened or whose manifest is not the registry's fails the chain
+        (:class:`DeltaError`), not the version."""
+        try:
+            opened = stack.enter_context(self._open(link))
+            return opened, self._manifest(opened, link)
+        except WeightsError as exc:
+            raise DeltaError(f"link {link.version}: {exc}") from None
+
+    def _apply(
+        self,
+        base: Manifest,
+        steps: Sequence[tuple[StoredVersion, Manifest]],
+        held: dict[str, HeldFile],
+        by_file: dict[str, list[Want]],
+        stats: ReadStats,
+    ) -> dict[str, torch.Tensor]:
+        """The held blocks turned, link by link, from ``base``'s version into the last
+        step's, in place (:class:`~weightcast.client.delta_reads.DeltaApply`: every rebuilt
+        block verified against its link's digest), and the wanted tensors out of them (the
+        headers parsed from the rebuilt blocks, every part checked against them).
+
+        The rollback rule, for one delta as for a chain: whatever fails from the first byte
+        changed to the last tensor taken (a frame, a digest, the version's header or a tensor
+        part), every block changed by every link is changed back, last link first (XOR is
+        its own inverse, from the frames already read), before the error is raised: the held
+        tensors are bitwise the version held. A :class:`DeltaError` then reads the full
+        version; a :class:`WeightsError` (a header or tensor the version's own digests vouch
+        for) refuses it."""
+        applied: list[DeltaApply] = []
+        try:
+            previous = base
+            for step_dir, step_manifest in steps:
+                delta = _delta(step_manifest)
+                files = [
+                    (_file_entry(step_manifest, n), _file_entry(previous, n), held[n]) for n in held
+                ]
+                with _delta_file(step_dir, step_manifest, delta) as frames:
+                    change = DeltaApply(delta, frames, files)
+                    stats.bytes_read += change.apply()  # reverts its own blocks on failure
+                applied.append(change)
+                previous = step_manifest
+            directory, manifest = steps[-1]
+            tensors: dict[str, torch.Tensor] = {}
+            for name, file in held.items():
+                label = f"{directory.label}/{name}"
+                size = _file_entry(manifest, name).bytes
+                spans = _header_spans(partial(_held_bytes, file), size, label)
+                parts = [_part(want, spans, label) for want in by_file[name]]
+                tensors |= _held_tensors(file, parts, label)
+                stats.blocks_hashed += len(file.offsets) * len(steps)
+        except BaseException:
+            for change in reversed(applied):
+                change.revert()
+            raise
         stats.links = len(steps)
         return tensors
 
@@ -644,6 +630,13 @@ def _header_spans(
     except HeaderError as exc:
         raise WeightsError(str(exc)) from None
     return {span.name: span for span in header.tensors}
+
+
+def _delta(manifest: Manifest) -> Delta:
+    """The delta of a link that :func:`~weightcast.client.delta_reads.delta_refusal` let
+    pass (it has one)."""
+    assert manifest.delta is not None
+    return manifest.delta
 
 
 def _delta_file(directory: StoredVersion, manifest: Manifest, delta: Delta) -> StoredFile:
