@@ -58,9 +58,15 @@ from common import REPO, peak_rss_mb, save_json, settle, vm, wait_published, wei
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
-from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotFile, SnapshotInfo
+from weightcast.contract.snapshot_format import (
+    FORMAT_DCP_SAFETENSORS,
+    INFO_NAME,
+    SnapshotFile,
+    SnapshotInfo,
+)
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
+from weightcast.runtime.durable import write_json
 
 BUCKET = "weights"
 CHANGED = 0.01
@@ -128,7 +134,7 @@ def node_main(redis_url: str, namespace: str, root: str) -> None:
         tensors = client.load(int(line))
         seconds = time.perf_counter() - start
         del tensors
-        stats = client.files.stats
+        stats = client.reader.stats
         row = {"seconds": seconds, "peak_mb": peak_rss_mb(os.getpid()), "idle_mb": idle}
         row |= {"via": stats.via}
         print(json.dumps(row | {"reason": stats.reason, "read": stats.bytes_read}), flush=True)
@@ -168,10 +174,11 @@ class Publisher:
         checkpoints = Path(self.env["WEIGHTCAST_CHECKPOINT_DIR"])
         tmp = checkpoints / f".tmp-step-{step}"
         shutil.copytree(template, tmp, copy_function=os.link)
-        SnapshotInfo(
+        info = SnapshotInfo(
             uuid.uuid4().hex, "bench", step, time.time(), "bfloat16", "bench",
             FORMAT_DCP_SAFETENSORS, files,
-        ).write(tmp)  # fmt: skip
+        )  # fmt: skip
+        write_json(tmp / INFO_NAME, info.to_json())
         settle()
         Path(f"/proc/{self.process.pid}/clear_refs").write_text("5")
         start = time.perf_counter()

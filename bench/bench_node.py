@@ -53,8 +53,9 @@ from common import save_json
 from weightcast.client.reader import VersionReader
 from weightcast.contract.manifest import MANIFEST_NAME, Manifest, sha256_bytes
 from weightcast.contract.model_shape import SHAPES
-from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo
+from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, INFO_NAME, SnapshotInfo
 from weightcast.contract.version_info import VersionInfo
+from weightcast.runtime.durable import write_json
 from weightcast.store.directory import OpenFile
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot
@@ -71,7 +72,7 @@ def write_snapshot(path: Path, shape: str) -> Snapshot:
     info = SnapshotInfo(
         uuid.uuid4().hex, "bench", 1, time.time(), "bfloat16", shape, FORMAT_DCP_SAFETENSORS, files
     )
-    info.write(path)
+    write_json(path / INFO_NAME, info.to_json())
     return Snapshot(path, info)
 
 

@@ -59,6 +59,7 @@ from weightcast.contract.model_shape import SHAPES, ModelShape, hf_tensor_shapes
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
+    INFO_NAME,
     SHARDING_INFO_KEY,
     SnapshotFile,
     SnapshotInfo,
@@ -66,6 +67,7 @@ from weightcast.contract.snapshot_format import (
 )
 from weightcast.contract.tensorfile import encode_header, file_order
 from weightcast.local.redis_server import RedisServer
+from weightcast.runtime.durable import write_json
 from weightcast_trainer.dcp_safetensors import DCP_VERSION
 
 
@@ -210,7 +212,7 @@ def bench_shape(name: str, rounds: int, root: Path, server: RedisServer, args) -
             info = SnapshotInfo(
                 uuid.uuid4().hex, "bench", step, time.time(), "bfloat16", name, args.format, files
             )
-            info.write(tmp)
+            write_json(tmp / INFO_NAME, info.to_json())
             settle()
             raw.append(raw_copy(template, weights / f".raw-{step}"))
             shutil.rmtree(weights / f".raw-{step}")

@@ -99,8 +99,9 @@ from common import (
 from weightcast.client.reader import VersionReader
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import SHAPES
-from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo
+from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, INFO_NAME, SnapshotInfo
 from weightcast.local.redis_server import RedisServer
+from weightcast.runtime.durable import write_json
 from weightcast.store.factory import open_store
 from weightcast.store.s3 import PART_BYTES, S3Object, S3Store
 from weightcast_publisher.converter import ConvertOptions, convert
@@ -233,7 +234,7 @@ def publish_part(args: argparse.Namespace, endpoint: str, server: RedisServer, w
             uuid.uuid4().hex, "bench", step, time.time(), "bfloat16", args.shape,
             FORMAT_DCP_SAFETENSORS, files,
         )  # fmt: skip
-        info.write(tmp)
+        write_json(tmp / INFO_NAME, info.to_json())
         settle()
         start = time.perf_counter()
         os.rename(tmp, checkpoints / f"step-{step}")

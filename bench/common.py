@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from weightcast.contract.durable import fsync_path
+from weightcast.runtime.durable import fsync_path
 
 REPO = Path(__file__).resolve().parent.parent
 

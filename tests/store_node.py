@@ -40,7 +40,7 @@ def main() -> None:
         loaded = node.load(version)
         if loaded is not None:
             held = loaded
-            print(json.dumps({"version": version, "via": client.files.stats.via}), flush=True)
+            print(json.dumps({"version": version, "via": client.reader.stats.via}), flush=True)
     assert held is not None
     save_file({k: v.contiguous() for k, v in held.tensors.items()}, args.out)
     client.close()

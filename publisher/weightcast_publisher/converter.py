@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from weightcast.contract.delta import Delta
-from weightcast.contract.durable import fsync_path, publish_dir, write_bytes, write_json
 from weightcast.contract.errors import BlockCutError, LayoutError
 from weightcast.contract.experts import check_placement
 from weightcast.contract.fp8 import QUANTIZE_FP8, QUANTIZE_NONE, quantized_config
@@ -46,6 +45,7 @@ from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
 from weightcast.contract.version_info import TMP_VERSION_PREFIX, version_dir_name
+from weightcast.runtime.durable import fsync_path, publish_dir, write_bytes, write_json
 from weightcast.store.base import VersionWrite
 from weightcast.store.directory import WrittenHere
 from weightcast_publisher.delta_writer import (

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import redis
 
-from weightcast.contract.durable import TRASH_PREFIX, remove_dir, sweep
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, Keys
 from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.version_info import dir_version, version_dir_name
 from weightcast.runtime.config import PublisherConfig
+from weightcast.runtime.durable import TRASH_PREFIX, remove_dir, sweep
 from weightcast.runtime.logs import get_logger
 from weightcast.store.base import LOST, RESTORED, WritableStore
 from weightcast_publisher.eviction import Evictor, delta_only_names

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import redis
 
-from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.events import Published as PublishedEvent
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
 from weightcast.contract.version_info import VersionInfo, version_dir_name
 from weightcast.runtime.config import PublisherConfig
+from weightcast.runtime.durable import remove_dir
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import REDIS_DOWN, Outage
 from weightcast.runtime.stop import StopRequest

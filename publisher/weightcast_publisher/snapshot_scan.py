@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from weightcast.contract.durable import trash_path
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.snapshot_format import (
     CONFIG_NAME,
@@ -19,6 +18,7 @@ from weightcast.contract.snapshot_format import (
     read_complete,
     snapshot_step,
 )
+from weightcast.runtime.durable import trash_path
 
 
 class CorruptSnapshot(WeightcastError, ValueError):

@@ -17,10 +17,12 @@ from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
+    INFO_NAME,
     SnapshotFile,
     SnapshotInfo,
     snapshot_name,
 )
+from weightcast.runtime.durable import write_json
 from weightcast_trainer.dcp_safetensors import SafetensorsStorageWriter
 from weightcast_trainer.resume import (
     TrainState,
@@ -68,7 +70,7 @@ def finish_snapshot(
     info = SnapshotInfo(
         uuid.uuid4().hex, "test-run", step, time.time(), "bfloat16", "test", format, files
     )
-    info.write(path)
+    write_json(path / INFO_NAME, info.to_json())
     return path
 
 

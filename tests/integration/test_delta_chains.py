@@ -69,8 +69,8 @@ def run(client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServ
 
 def keeping(run: Run, max_delta_chain: int = 16) -> WeightsClient:
     node = run.deployment.reader()
-    node.files.keep_base = True
-    node.files.max_delta_chain = max_delta_chain
+    node.reader.keep_base = True
+    node.reader.max_delta_chain = max_delta_chain
     return node
 
 
@@ -97,11 +97,11 @@ def test_a_node_four_versions_behind_lands_bitwise_on_the_newest_by_the_chain(ru
     node, held, newest = held_at(run)
     full = run.deployment.reader()
     mine = node.rank_tensors(newest, 0, TP)
-    stats = node.files.stats
+    stats = node.reader.stats
     assert (stats.via, stats.links, stats.reason) == ("chain", 4, "")
     assert same(mine, full.rank_tensors(newest, 0, TP))
     assert same(held, mine)  # the tensors returned before were updated in place
-    assert stats.bytes_read < full.files.stats.bytes_read / 4
+    assert stats.bytes_read < full.reader.stats.bytes_read / 4
     keys = run.deployment.keys
     assert not any(run.deployment.client.zcard(keys.leases(v)) for v in range(1, newest + 1))
 
@@ -113,12 +113,12 @@ def test_a_whole_model_node_chains_and_then_reads_the_next_by_delta(run: Run) ->
         newest = run.publish()
     full = run.deployment.reader()
     assert same(node.load(newest), full.load(newest))
-    assert (node.files.stats.via, node.files.stats.links) == ("chain", 3)
-    assert node.files.stats.bytes_read < full.files.stats.bytes_read / 4
+    assert (node.reader.stats.via, node.reader.stats.links) == ("chain", 3)
+    assert node.reader.stats.bytes_read < full.reader.stats.bytes_read / 4
     assert same(held, full.load(newest))  # the tensors returned before, updated in place
     following = run.publish()
     assert same(node.load(following), run.deployment.reader().load(following))
-    assert (node.files.stats.via, node.files.stats.links) == ("delta", 1)
+    assert (node.reader.stats.via, node.reader.stats.links) == ("delta", 1)
 
 
 def full_read_after_refused_chain(run: Run, damage: Callable[[int], None], reason: str) -> None:
@@ -128,7 +128,7 @@ def full_read_after_refused_chain(run: Run, damage: Callable[[int], None], reaso
     kept = copies(held)
     damage(newest)
     mine = node.rank_tensors(newest, 0, TP)
-    stats = node.files.stats
+    stats = node.reader.stats
     assert stats.via == "full" and reason in stats.reason, stats.reason
     assert same(mine, run.deployment.reader().rank_tensors(newest, 0, TP))
     assert same(held, kept), "the tensors held before were changed"
@@ -197,11 +197,11 @@ def test_a_broken_frame_mid_chain_reverts_every_link_and_the_version_is_read_who
 
 def test_a_chain_longer_than_the_bound_gives_a_full_read(run: Run) -> None:
     node, held, newest = held_at(run)
-    node.files.max_delta_chain = 3
+    node.reader.max_delta_chain = 3
     kept = copies(held)
     mine = node.rank_tensors(newest, 0, TP)
-    assert node.files.stats.via == "full"
-    assert node.files.stats.reason.endswith("the chain from version 1 is longer than 3 deltas")
+    assert node.reader.stats.via == "full"
+    assert node.reader.stats.reason.endswith("the chain from version 1 is longer than 3 deltas")
     assert same(mine, run.deployment.reader().rank_tensors(newest, 0, TP))
     assert same(held, kept)
 
@@ -222,9 +222,9 @@ def test_a_chain_larger_than_the_version_is_not_applied(run: Run) -> None:
         newest = run.publish()
         assert run.manifest(newest).delta is not None
     mine = node.rank_tensors(newest, 0, TP)
-    assert node.files.stats.via == "full"
-    assert "; no chain of deltas: the chain of 3 deltas (" in node.files.stats.reason
-    assert "is not smaller than the version" in node.files.stats.reason
+    assert node.reader.stats.via == "full"
+    assert "; no chain of deltas: the chain of 3 deltas (" in node.reader.stats.reason
+    assert "is not smaller than the version" in node.reader.stats.reason
     assert same(mine, run.deployment.reader().rank_tensors(newest, 0, TP))
 
 
@@ -343,4 +343,4 @@ def test_a_version_refused_at_the_end_of_its_chain_leaves_the_held_tensors_as_th
     with pytest.raises(WeightsError, match=r"tensor model\.norm\.weight is missing or not float16"):
         node.rank_tensors(newest, 0, TP)
     assert same(held, kept), "the tensors held before were changed"
-    assert node.files.base is not None and node.files.base.version == newest - 4
+    assert node.reader.base is not None and node.reader.base.version == newest - 4

@@ -66,8 +66,8 @@ def run(client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServ
 
 def keeping(run: Run, max_delta_chain: int = 16) -> WeightsClient:
     reader = run.deployment.reader()
-    reader.files.keep_base = True
-    reader.files.max_delta_chain = max_delta_chain
+    reader.reader.keep_base = True
+    reader.reader.max_delta_chain = max_delta_chain
     return reader
 
 
@@ -89,12 +89,12 @@ def test_a_chain_of_versions_by_delta_is_bitwise_the_full_versions(run: Run) -> 
         for rank, node in nodes.items():
             mine = node.rank_tensors(version, rank, TP)
             assert same(mine, full.rank_tensors(version, rank, TP))
-            stats = node.files.stats
+            stats = node.reader.stats
             assert stats.via == ("delta" if number else "full"), stats.reason
             if number:
-                assert stats.bytes_read < full.files.stats.bytes_read / 10
+                assert stats.bytes_read < full.reader.stats.bytes_read / 10
         assert same(whole.load(version), full.load(version))
-        assert whole.files.stats.via == ("delta" if number else "full")
+        assert whole.reader.stats.via == ("delta" if number else "full")
 
 
 def flip_a_frame_byte(run: Run, version: int) -> None:
@@ -113,24 +113,24 @@ def test_a_corrupted_delta_byte_is_caught_and_the_full_version_read(run: Run) ->
     version = run.publish()
     flip_a_frame_byte(run, version)
     assert same(node.rank_tensors(version, 0, TP), full.rank_tensors(version, 0, TP))
-    assert node.files.stats.via == "full"
-    assert node.files.stats.reason.startswith("the delta failed: ")
+    assert node.reader.stats.via == "full"
+    assert node.reader.stats.reason.startswith("the delta failed: ")
     node.rank_tensors(run.publish(), 0, TP)  # the full read became the base again
-    assert node.files.stats.via == "delta"
+    assert node.reader.stats.via == "delta"
 
 
 def test_a_damaged_base_fails_the_digest_check_and_the_full_version_is_read(run: Run) -> None:
     node, full = keeping(run), run.deployment.reader()
     node.rank_tensors(run.publish(), 1, TP)
-    assert node.files.base is not None
-    held = node.files.base.files["model.vllm-fused"]
+    assert node.reader.base is not None
+    held = node.reader.base.files["model.vllm-fused"]
     block = held.block(max(held.offsets))
     block[len(block) // 2] ^= 0x01  # memory gone bad: the rebuilt block cannot match
     version = run.publish()
     assert same(node.rank_tensors(version, 1, TP), full.rank_tensors(version, 1, TP))
-    assert node.files.stats.via == "full"
+    assert node.reader.stats.via == "full"
     assert "rebuilt from the delta do not match the manifest's xxh3-128 digest" in (
-        node.files.stats.reason
+        node.reader.stats.reason
     )
 
 
@@ -141,22 +141,22 @@ def test_a_node_that_skipped_a_version_or_holds_another_part_reads_in_full(run: 
     run.publish()
     skipped = run.publish()
     node.rank_tensors(skipped, 0, TP)
-    assert node.files.stats.via == "full"
-    assert node.files.stats.reason == (
+    assert node.reader.stats.via == "full"
+    assert node.reader.stats.reason == (
         f"the delta of version {skipped} is from version {skipped - 1}; "
         f"the node holds version {first}; no chain of deltas: the chain from version "
         f"{first} is longer than 1 deltas"
     )
     node.rank_tensors(run.publish(), 1, TP)
-    assert node.files.stats.via == "full"
-    assert "another part of the base" in node.files.stats.reason
+    assert node.reader.stats.via == "full"
+    assert "another part of the base" in node.reader.stats.reason
 
 
 def test_without_a_base_or_a_delta_the_node_reads_in_full(run: Run) -> None:
     node = keeping(run)
     version = run.publish()
     node.rank_tensors(version, 0, TP)
-    assert (node.files.stats.via, node.files.stats.reason) == (
+    assert (node.reader.stats.via, node.reader.stats.reason) == (
         "full",
         "the node holds no earlier version",
     )
@@ -166,7 +166,7 @@ def test_without_a_base_or_a_delta_the_node_reads_in_full(run: Run) -> None:
     version = run.publish()
     assert run.manifest(version).delta is None
     node.rank_tensors(version, 0, TP)
-    assert node.files.stats.reason == f"version {version} has no delta"
+    assert node.reader.stats.reason == f"version {version} has no delta"
 
 
 def test_a_full_read_lets_go_of_the_held_version_before_it_reads(
@@ -177,8 +177,8 @@ def test_a_full_read_lets_go_of_the_held_version_before_it_reads(
     read, so its peak is one version's bytes (issue 35: at 8B, two would be 32 GB)."""
     node = keeping(run)
     node.rank_tensors(run.publish(), 0, TP)  # the base, its tensors dropped (on the GPU)
-    assert node.files.base is not None
-    held = [weakref.ref(f.data) for f in node.files.base.files.values()]
+    assert node.reader.base is not None
+    held = [weakref.ref(f.data) for f in node.reader.base.files.values()]
     alive_at_read = []
     read_file = VersionReader._read_file
 
@@ -192,7 +192,7 @@ def test_a_full_read_lets_go_of_the_held_version_before_it_reads(
         run.deployment.publisher.publishing.options, delta=False
     )
     node.rank_tensors(run.publish(), 0, TP)
-    assert node.files.stats.via == "full"
+    assert node.reader.stats.via == "full"
     assert alive_at_read and not any(alive_at_read)
 
 
@@ -204,7 +204,7 @@ def test_a_delta_read_lands_in_host_memory_under_a_default_device_context(run: R
     version = run.publish()
     with torch.device("meta"):
         mine = node.rank_tensors(version, 0, TP)
-    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert node.reader.stats.via == "delta", node.reader.stats.reason
     assert {t.device.type for t in mine.values()} == {"cpu"}
     assert same(mine, full.rank_tensors(version, 0, TP))
 
@@ -217,7 +217,7 @@ def test_a_delta_read_updates_the_tensors_the_node_holds_in_place(run: Run) -> N
     pointers = {name: tensor.data_ptr() for name, tensor in held.items()}
     version = run.publish()
     mine = node.rank_tensors(version, 1, TP)
-    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert node.reader.stats.via == "delta", node.reader.stats.reason
     assert {name: tensor.data_ptr() for name, tensor in mine.items()} == pointers
     assert same(held, full.rank_tensors(version, 1, TP))
 
@@ -240,7 +240,7 @@ def test_a_failed_delta_leaves_the_held_version_whole(run: Run) -> None:
     data[offset + length // 2] ^= 0x10
     path.write_bytes(bytes(data))
     node.rank_tensors(version, 0, TP)
-    assert node.files.stats.via == "full"
+    assert node.reader.stats.via == "full"
     assert same(held, before)
 
 
@@ -372,12 +372,12 @@ def test_a_frame_that_holds_or_declares_more_than_its_block_costs_only_the_block
     damage = HOSTILE_FRAMES[case]  # every changed frame: whichever blocks rank 0 holds
     hostile.write(frames={i: damage(hostile.frame(i)) for i in hostile.changed_blocks()})
     peak = peak_traced(lambda: node.rank_tensors(version, 0, TP))
-    assert node.files.stats.via == "full"
-    assert node.files.stats.reason.startswith("the delta failed: "), node.files.stats.reason
+    assert node.reader.stats.via == "full"
+    assert node.reader.stats.reason.startswith("the delta failed: "), node.reader.stats.reason
     assert peak < 96 << 20, f"{peak / 2**20:.0f} MiB"  # the full read's windows, no bomb
     assert same(node.rank_tensors(version, 0, TP), full.rank_tensors(version, 0, TP))
     node.rank_tensors(run.publish(), 0, TP)
-    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert node.reader.stats.via == "delta", node.reader.stats.reason
 
 
 def dtype_lie(manifest: Manifest) -> Manifest:
@@ -432,10 +432,10 @@ def test_a_version_refused_after_its_delta_applies_leaves_the_held_tensors_as_th
     with pytest.raises(WeightsError, match=re.escape(message)):
         node.rank_tensors(version, 0, TP)
     assert same(held, before)
-    assert node.files.base is not None and node.files.base.version == first
+    assert node.reader.base is not None and node.reader.base.version == first
     hostile.restore()
     assert same(node.rank_tensors(version, 0, TP), full.rank_tensors(version, 0, TP))
-    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert node.reader.stats.via == "delta", node.reader.stats.reason
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "longer"])
@@ -454,10 +454,11 @@ def test_a_damaged_or_missing_delta_file_makes_the_node_read_the_full_version(
         with open(path, "ab") as f:
             f.write(b"\0" * 64)
     assert same(node.rank_tensors(version, 1, TP), full.rank_tensors(version, 1, TP))
-    assert node.files.stats.via == "full"
-    assert node.files.stats.reason.startswith(f"the delta failed: {path}"), node.files.stats.reason
+    assert node.reader.stats.via == "full"
+    stats = node.reader.stats
+    assert stats.reason.startswith(f"the delta failed: {path}"), stats.reason
     node.rank_tensors(run.publish(), 1, TP)
-    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert node.reader.stats.via == "delta", node.reader.stats.reason
 
 
 def test_a_delta_in_a_format_the_node_does_not_know_makes_it_read_the_version_in_full(
@@ -472,12 +473,12 @@ def test_a_delta_in_a_format_the_node_does_not_know_makes_it_read_the_version_in
     newer = Hostile(run, version)
     newer.write(change=lambda m: dataclasses.replace(m, delta=renamed(m.delta, "xor-next")))
     assert same(node.rank_tensors(version, 0, TP), full.rank_tensors(version, 0, TP))
-    assert (node.files.stats.via, node.files.stats.reason) == (
+    assert (node.reader.stats.via, node.reader.stats.reason) == (
         "full",
         "the delta is xor-next, which this node does not read (it reads xor-sparse or xor-zstd)",
     )
     node.rank_tensors(run.publish(), 0, TP)
-    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert node.reader.stats.via == "delta", node.reader.stats.reason
 
 
 def renamed(delta: Delta | None, codec: str) -> Delta:
@@ -501,8 +502,8 @@ def test_a_version_refused_for_its_config_leaves_the_node_on_the_version_it_hold
     config.write_bytes(config.read_bytes().replace(b"{", b"{ ", 1))  # not the manifest's
     assert node.load(refused) is None
     assert (node.current, node.seen) == (first, refused)
-    assert node.client.files.base is not None and node.client.files.base.version == first
+    assert node.client.reader.base is not None and node.client.reader.base.version == first
     assert same(loaded.tensors, before)
     after = node.load(run.publish())
     assert after is not None and same(after.tensors, full.load(after.info))
-    assert node.via == "chain", node.client.files.stats.reason
+    assert node.via == "chain", node.client.reader.stats.reason

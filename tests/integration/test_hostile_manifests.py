@@ -488,7 +488,7 @@ def test_random_damage_to_a_delta_leaves_a_node_whole_or_reads_verified_bytes(
     @given(strategy, st.integers(0, TP - 1))
     def check(change: Any, rank: int) -> None:
         node = deployment.reader()
-        node.files.keep_base = True
+        node.reader.keep_base = True
         held = node.rank_tensors(1, rank, TP)
         before = {name: raw_bytes(tensor).clone() for name, tensor in held.items()}
         if target == "the delta file":
@@ -506,13 +506,13 @@ def test_random_damage_to_a_delta_leaves_a_node_whole_or_reads_verified_bytes(
             outcome = "refused"
         else:
             assert_bytes_of_the_file(version, tensors, rank)
-            outcome = node.files.stats.via
+            outcome = node.reader.stats.via
         unchanged = all(torch.equal(raw_bytes(held[k]), before[k]) for k in held)
         if outcome == "delta":
             assert all(held[k].data_ptr() == tensors[k].data_ptr() for k in held)
         else:
             assert unchanged, f"{outcome}: the held tensors changed"
-            assert node.files.base is not None and node.files.base.version == (
+            assert node.reader.base is not None and node.reader.base.version == (
                 1 if outcome == "refused" else version.number
             )
         outcomes[outcome] = outcomes.get(outcome, 0) + 1

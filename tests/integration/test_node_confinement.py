@@ -196,7 +196,7 @@ def test_registered_paths_resolve_inside_the_weights_root_only(
     for path in ("v1", str(weights / "v1"), str(link / "v1")):
         deployment.client.hset(deployment.keys.version(1), "path", path)
         assert via_link.config(1)["num_attention_heads"] == 4
-        assert via_link.files.path(via_link.info(1)) == weights.resolve() / "v1"
+        assert via_link.reader.path(via_link.info(1)) == weights.resolve() / "v1"
         if path.startswith(str(link)):  # a way in this node was not told about
             with pytest.raises(WeightsError, match="outside the weights root"):
                 reader.config(1)

@@ -101,16 +101,16 @@ def test_a_vllm_ranks_reader_keeps_one_store_and_base_across_updates(
     )
     config = load_config(env={}, overrides={"store_retry_seconds": 5})
     reader = RankReader(source, rank=0, keep_base=True, config=config)
-    store = reader.client.files.store
+    store = reader.client.reader.store
     assert isinstance(store, S3Store)
     for version, via in zip(ROUTE, VIA, strict=True):
         staged = reader.stage(version, tp=1, engine_shape=WIDE)
-        assert (staged.version, staged.via) == (version, via), reader.client.files.stats.reason
+        assert (staged.version, staged.via) == (version, via), reader.client.reader.stats.reason
         info = reader.client.info(version)
         expected = published.local.rank_tensors(info, 0, 1)
         assert {p.name for p in staged.parts} == set(expected)
         assert all(torch.equal(p.tensor, expected[p.name]) for p in staged.parts), version
-        assert reader.client.files.store is store
+        assert reader.client.reader.store is store
     assert all(deployment.client.zcard(deployment.keys.leases(v)) == 0 for v in ROUTE)
     reader.close()
     assert store.pool._shutdown
@@ -131,7 +131,7 @@ def test_a_node_following_50_updates_from_a_bucket_holds_nothing_more_at_the_end
     over)."""
     deployment = published.deployment
     weights = deployment.reader(node_id="follower")
-    weights.files.keep_base = True
+    weights.reader.keep_base = True
     node = Node(weights, report_every=60)
     observer = redis.Redis.from_url(deployment.redis_url)
     seen: dict[str, int] = {}
@@ -153,7 +153,7 @@ def test_a_node_following_50_updates_from_a_bucket_holds_nothing_more_at_the_end
             assert end[kind] <= seen[kind], (kind, seen, end)
         # The bucket client's connection pool opens sockets as its GETs first overlap, up to
         # its size.
-        store = weights.files.store
+        store = weights.reader.store
         assert isinstance(store, S3Store)
         assert end["sockets"] <= seen["sockets"] + store.concurrency + 4, (seen, end)
         assert end["rss"] - seen["rss"] < version_bytes, (seen, end)

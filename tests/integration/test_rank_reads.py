@@ -34,6 +34,6 @@ def test_a_tp_8_rank_reads_at_most_1_15x_its_own_bytes(
     for rank in range(TP):
         parts = reader.rank_tensors(version, rank, TP)
         own = sum(t.nbytes for t in parts.values())
-        read = reader.files.stats.bytes_read
+        read = reader.reader.stats.bytes_read
         assert own <= read <= 1.15 * own, f"rank {rank} read {read} bytes for its {own}"
         assert read < total / 4

@@ -89,8 +89,8 @@ def test_each_rank_reads_and_verifies_only_its_blocks(
         parts = reader.rank_tensors(number, rank, TP)
         read = {b for s, e in reads for b in range(s // BLOCK, (e - 1) // BLOCK + 1)}
         assert read == blocks[rank]
-        assert reader.files.stats.blocks_hashed == len(blocks[rank])
-        assert reader.files.stats.blocks_trusted == 0
+        assert reader.reader.stats.blocks_hashed == len(blocks[rank])
+        assert reader.reader.stats.blocks_trusted == 0
         layer = "model.layers.0"
         q, k, v = (state[f"{layer}.self_attn.{x}_proj.weight"] for x in "qkv")
         expected_qkv = qkv_parallel_rank(q, k, v, 4, 2, 8, TP, rank)
@@ -100,8 +100,8 @@ def test_each_rank_reads_and_verifies_only_its_blocks(
         assert parts[o_proj].is_contiguous()
         # The same node again: nothing hashed twice.
         reader.rank_tensors(number, rank, TP)
-        assert reader.files.stats.blocks_hashed == 0
-        assert reader.files.stats.blocks_trusted == len(blocks[rank])
+        assert reader.reader.stats.blocks_hashed == 0
+        assert reader.reader.stats.blocks_trusted == len(blocks[rank])
 
 
 def test_a_corrupt_block_fails_only_the_ranks_that_read_it(deployment: Deployment) -> None:
@@ -136,11 +136,11 @@ def test_a_format_1_file_is_verified_whole_once_then_read_in_part(
     reader = deployment.reader()
     size = (directory / "model.vllm-fused").stat().st_size
     reader.rank_tensors(number, 0, TP)
-    assert reader.files.stats.bytes_read >= size  # the whole file, for its sha256
-    assert reader.files.stats.blocks_hashed > 0
+    assert reader.reader.stats.bytes_read >= size  # the whole file, for its sha256
+    assert reader.reader.stats.blocks_hashed > 0
     reader.rank_tensors(number, 1, TP)
-    assert reader.files.stats.bytes_read < size  # the sha256 is known good: only rank 1's part
-    assert reader.files.stats.blocks_hashed == 0
+    assert reader.reader.stats.bytes_read < size  # the sha256 is known good: only rank 1's part
+    assert reader.reader.stats.blocks_hashed == 0
 
 
 WORKER = textwrap.dedent(
@@ -318,6 +318,6 @@ def test_a_block_changed_after_the_header_was_verified_is_caught_when_read_again
 
     monkeypatch.setattr(reader_module, "read_header", then_changed)
     reader = deployment.reader()
-    reader.files.keep_base = keep_base
+    reader.reader.keep_base = keep_base
     with pytest.raises(WeightsError, match="do not match the manifest's xxh3-128 digest"):
         reader.load(number)

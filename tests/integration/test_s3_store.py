@@ -90,7 +90,7 @@ def test_versions_in_a_bucket_read_bitwise_what_the_directory_holds(
             expected = local.rank_tensors(info, rank, 2)
             assert got.keys() == expected.keys()
             assert all(torch.equal(got[k], expected[k]) for k in got)
-        assert node.files.stats.bytes_read < info.bytes  # only the rank's blocks
+        assert node.reader.stats.bytes_read < info.bytes  # only the rank's blocks
         node.verify(info)
         assert node.config(info) == local.config(info)
     # keep-last-two: v1 gone from the bucket and from the publisher's copy
@@ -103,7 +103,7 @@ def test_a_node_that_keeps_its_base_reads_the_next_version_by_delta_from_the_buc
 ) -> None:
     deployment.publish()
     node = deployment.reader()
-    node.files.keep_base = True
+    node.reader.keep_base = True
     local = VersionReader(deployment.root / "weights")
     for _ in range(3):
         version = int(deployment.client.get(deployment.keys.latest))
@@ -112,7 +112,7 @@ def test_a_node_that_keeps_its_base_reads_the_next_version_by_delta_from_the_buc
         expected = local.rank_tensors(info, 1, 2)
         assert all(torch.equal(got[k], expected[k]) for k in expected)
         deployment.publish()
-    assert node.files.stats.via == "delta", node.files.stats.reason
+    assert node.reader.stats.via == "delta", node.reader.stats.reason
 
 
 def test_a_deployment_moved_to_a_bucket_uploads_its_live_versions_which_nodes_wait_for(
@@ -211,7 +211,7 @@ def test_an_object_replaced_while_a_node_reads_it_is_refused_not_mixed(
 ) -> None:
     deployment.publish()
     node = deployment.reader()
-    store = node.files.store
+    store = node.reader.store
     assert isinstance(store, S3Store)
     with store.open_version("v1") as version:
         f = version.open(FUSED_WEIGHTS_FILE)
@@ -231,7 +231,7 @@ def test_an_object_larger_than_an_answer_may_be_opens_and_reads(
     deployment.publish()
     data = bytes(range(256)) * ((REPLY_BYTES + 4096) // 256)
     put(s3_server, deployment, "v1/large", data)
-    store = deployment.reader().files.store
+    store = deployment.reader().reader.store
     assert isinstance(store, S3Store)
     with store.open_version("v1") as version, version.open("large") as f:
         assert (f.size, f.read_at(REPLY_BYTES, 256)) == (len(data), data[:256])
@@ -245,7 +245,7 @@ def test_a_registered_path_that_leaves_the_prefix_is_refused_before_any_request(
     node = deployment.reader()
     entry = node.info(1)
     with pytest.raises(WeightsError, match="not plain names"):
-        node.files.manifest(dataclasses.replace(entry, path=path))
+        node.reader.manifest(dataclasses.replace(entry, path=path))
 
 
 def test_leftovers_of_a_killed_upload_are_removed_at_the_next_start_registered_ones_kept(
@@ -336,7 +336,7 @@ def test_a_node_versions_behind_catches_up_by_a_chain_of_deltas_from_the_bucket(
 ) -> None:
     deployment.publish()
     node = deployment.reader()
-    node.files.keep_base = True
+    node.reader.keep_base = True
     with node.lease(1) as info:
         node.rank_tensors(info, 0, 2)
     for _ in range(3):
@@ -347,7 +347,7 @@ def test_a_node_versions_behind_catches_up_by_a_chain_of_deltas_from_the_bucket(
     )
     with node.lease(4) as info:
         got = node.rank_tensors(info, 0, 2)
-    stats = node.files.stats
+    stats = node.reader.stats
     assert (stats.via, stats.links) == ("chain", 3), stats.reason
     expected = VersionReader(deployment.root / "weights").rank_tensors(info, 0, 2)
     assert all(torch.equal(got[k], expected[k]) for k in expected)

@@ -18,12 +18,12 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from weightcast.contract import durable
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import Manifest, verify_files
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SnapshotInfo, read_complete
 from weightcast.local.redis_server import RedisServer
+from weightcast.runtime import durable
 from weightcast_publisher import snapshot_scan
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import Snapshot, complete_snapshots

@@ -190,7 +190,7 @@ def test_a_published_version_verifies_and_loads(deployment: Deployment) -> None:
     assert reader.latest() == 1
     with reader.lease(1) as info:
         manifest = reader.verify(info)
-        verify_files(reader.files.path(info), manifest)
+        verify_files(reader.reader.path(info), manifest)
         tensors = reader.load(info)
     assert "model.layers.0.self_attn.qkv_proj.weight" in tensors
     reader.report_loaded(1)

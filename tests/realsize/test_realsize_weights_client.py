@@ -38,14 +38,14 @@ def test_a_node_walks_the_versions_and_holds_each_bitwise(
                 # Its delta fails, then its full read: the reader let go of its base before
                 # that read (one version in memory, not two), and the tensors the node holds
                 # are still bitwise the version it served.
-                served = node.files.base.version
+                served = node.reader.base.version
                 with pytest.raises(WeightsError, match="digest"):
                     node.load(step.version)
-                assert node.files.base is None
+                assert node.reader.base is None
                 assert digests(held) == realsize.digests[served], step
                 continue
             held = node.load(step.version)
-            stats = node.files.stats
+            stats = node.reader.stats
             assert (stats.via, stats.links) == (step.via, {"full": 0, "delta": 1}.get(step.via, 3))
             assert digests(held) == realsize.digests[step.version], step
     finally:

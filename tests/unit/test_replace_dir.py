@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from weightcast.contract import durable
-from weightcast.contract.durable import exchange_dirs, replace_dir
 from weightcast.contract.snapshot_format import SnapshotInfo
+from weightcast.runtime import durable
+from weightcast.runtime.durable import exchange_dirs, replace_dir
 from weightcast_publisher.snapshot_scan import Snapshot, dir_id, discard, set_aside
 
 

@@ -18,11 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
-from weightcast.contract.durable import fsync_path, remove_dir
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.snapshot_format import DCP_METADATA, snapshot_step
 from weightcast.contract.streams import parse_stream_id
 from weightcast.runtime.config import Config
+from weightcast.runtime.durable import fsync_path, remove_dir
 
 STATE_KEY = "train_state"
 """Name ForgeEngine gives the train state in the checkpoint (keys ``train_state.<name>``)."""

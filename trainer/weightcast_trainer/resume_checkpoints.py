@@ -26,9 +26,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from weightcast.contract.durable import remove_dir
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.heartbeat import Heartbeat
+from weightcast.runtime.durable import remove_dir
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Retries
 from weightcast_trainer import collectives

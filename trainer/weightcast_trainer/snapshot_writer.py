@@ -15,7 +15,7 @@ step's forward and backward overlap the copy, only the optimizer step waits for 
 
 A write never leaves a partial ``step-<S>/``: everything goes to ``.tmp-step-<S>/`` first.
 A step written again (after a restart) replaces the old ``step-<S>/`` in one atomic swap
-where the filesystem has ``RENAME_EXCHANGE`` (:func:`~weightcast.contract.durable.replace_dir`).
+where the filesystem has ``RENAME_EXCHANGE`` (:func:`~weightcast.runtime.durable.replace_dir`).
 When the checkpoint filesystem is full, the snapshot is skipped, counted
 (:attr:`SnapshotWriter.skipped_no_space`) and logged, and training goes on. A weight that
 holds NaN or infinity is never written: the write fails and :meth:`busy` raises, naming it.
@@ -41,21 +41,22 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from weightcast.contract.durable import (
+from weightcast.contract.snapshot_format import (
+    CONFIG_NAME,
+    FORMAT_DCP_SAFETENSORS,
+    INFO_NAME,
+    TMP_PREFIX,
+    SnapshotFile,
+    SnapshotInfo,
+    snapshot_name,
+)
+from weightcast.runtime.durable import (
     fsync_path,
     publish_dir,
     remove_dir,
     replace_dir,
     sweep,
     write_json,
-)
-from weightcast.contract.snapshot_format import (
-    CONFIG_NAME,
-    FORMAT_DCP_SAFETENSORS,
-    TMP_PREFIX,
-    SnapshotFile,
-    SnapshotInfo,
-    snapshot_name,
 )
 from weightcast.runtime.logs import get_logger
 from weightcast_trainer.dcp_safetensors import NonFiniteWeight, SafetensorsStorageWriter
@@ -248,7 +249,7 @@ class SnapshotWriter:
     def _finish(self, tmp: Path, final: Path, step: int, files: list[SnapshotFile]) -> None:
         """Rank 0, after every rank's data: the config, the completion record, the rename."""
         write_json(tmp / CONFIG_NAME, self.hf_config)
-        SnapshotInfo(
+        info = SnapshotInfo(
             snapshot_id=uuid.uuid4().hex,
             run_id=self.run_id,
             step=step,
@@ -257,7 +258,8 @@ class SnapshotWriter:
             model=self.model_name,
             format=FORMAT_DCP_SAFETENSORS,
             files=tuple(files),
-        ).write(tmp)
+        )
+        write_json(tmp / INFO_NAME, info.to_json())
         fsync_path(tmp)
         if not final.exists():
             publish_dir(tmp, final)

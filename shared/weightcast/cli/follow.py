@@ -40,7 +40,7 @@ def run_follow(config: Config) -> int:
         store_retry_seconds=config.common.store_retry_seconds,
         max_delta_chain=cfg.max_delta_chain,
     )
-    client.files.store.check()
+    client.reader.store.check()
     stop = StopRequest().install()
     node: Follower
     if cfg.vllm_url:
@@ -54,7 +54,7 @@ def run_follow(config: Config) -> int:
     log.info(
         "following",
         node_id=client.node_id,
-        weights=client.files.store.label,
+        weights=client.reader.store.label,
         vllm_url=cfg.vllm_url or None,
         healthz=server.port if server else "off",
     )

@@ -153,7 +153,7 @@ class Node:
             return None
         self.current = self.seen = version
         self.reported_at = None
-        stats = self.client.files.stats
+        stats = self.client.reader.stats
         self.via, self.read_bytes = stats.via, stats.bytes_read
         log.info(
             "loaded version",

@@ -83,7 +83,7 @@ class WeightsClient:
         self.redis = redis_client(redis_url)
         self.keys = Keys(namespace)
         self.node_id = node_id or default_node_id()
-        self.files = VersionReader(
+        self.reader = VersionReader(
             weights_root, verified_dir, keep_base, store_retry_seconds, max_delta_chain
         )
         self.lease_ms = int(lease_seconds * 1000)
@@ -148,20 +148,20 @@ class WeightsClient:
 
     def manifest(self, version: int | VersionInfo) -> Manifest:
         """The manifest, checked against the digest the registry recorded."""
-        return self.files.manifest(self._info(version))
+        return self.reader.manifest(self._info(version))
 
     def verify(self, version: int | VersionInfo) -> Manifest:
         """Check all a node reads of a version: manifest, config and every tensor file."""
-        return self.files.verify(self._info(version))
+        return self.reader.verify(self._info(version))
 
     def load(self, version: int | VersionInfo) -> dict[str, torch.Tensor]:
         """Every tensor of a verified version, whole (per-rank files are refused)."""
         info = self._info(version)
-        return self._chained(info, lambda links: self.files.load(info, links))
+        return self._chained(info, lambda links: self.reader.load(info, links))
 
     def config(self, version: int | VersionInfo) -> dict[str, Any]:
         """The version's HF ``config.json`` (verified against the manifest)."""
-        return self.files.config(self._info(version))
+        return self.reader.config(self._info(version))
 
     def rank_tensors(
         self, version: int | VersionInfo, tp_rank: int, tp_size: int, ep: int = 1
@@ -171,7 +171,7 @@ class WeightsClient:
         :meth:`weightcast.client.reader.VersionReader.rank_tensors`)."""
         info = self._info(version)
         return self._chained(
-            info, lambda links: self.files.rank_tensors(info, tp_rank, tp_size, ep, links)
+            info, lambda links: self.reader.rank_tensors(info, tp_rank, tp_size, ep, links)
         )
 
     def report_loaded(
@@ -185,7 +185,7 @@ class WeightsClient:
 
     def close(self) -> None:
         self.redis.close()
-        self.files.close()
+        self.reader.close()
 
     def _info(self, version: int | VersionInfo) -> VersionInfo:
         return version if isinstance(version, VersionInfo) else self.info(version)
@@ -197,10 +197,10 @@ class WeightsClient:
         ``info``'s when there is one that pays, else with none (the reader then reads by
         delta or in full, and says why no chain)."""
         # The base's number, not the base: a full read lets go of it (one version held, not two).
-        held = self.files.base.version if self.files.keep_base and self.files.base else None
+        held = self.reader.base.version if self.reader.keep_base and self.reader.base else None
         if held is None or info.delta_from in (0, held) or info.version <= held:
             return read(())
-        links, why = chain_links(info, held, self._link_entry, self.files.max_delta_chain)
+        links, why = chain_links(info, held, self._link_entry, self.reader.max_delta_chain)
         if not why:
             try:
                 with ChainLease(self, [link.version for link in links]) as leased:
@@ -208,8 +208,8 @@ class WeightsClient:
             except VersionGone as exc:
                 why = f"a link was evicted ({exc})"
         tensors = read(())
-        if why and self.files.stats.via == "full":
-            self.files.stats.reason += f"; no chain of deltas: {why}"
+        if why and self.reader.stats.via == "full":
+            self.reader.stats.reason += f"; no chain of deltas: {why}"
         return tensors
 
     def _link_entry(self, version: int) -> VersionInfo | None:

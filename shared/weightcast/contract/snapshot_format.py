@@ -34,7 +34,6 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from weightcast.contract.durable import write_json
 from weightcast.contract.errors import WeightcastError
 from weightcast.contract.untrusted import json_object
 
@@ -79,8 +78,10 @@ class SnapshotInfo:
     files: tuple[SnapshotFile, ...] = ()
     """Every data file (``dcp-safetensors`` only), in name order."""
 
-    def write(self, directory: Path) -> None:
-        write_json(directory / INFO_NAME, asdict(self))
+    def to_json(self) -> dict[str, object]:
+        """What ``weightcast.json`` holds (written with :func:`weightcast.runtime.durable
+        .write_json`, the last file of a snapshot)."""
+        return asdict(self)
 
     @classmethod
     def read(cls, directory: Path) -> SnapshotInfo:

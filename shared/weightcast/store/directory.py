@@ -14,7 +14,7 @@ a weights file) is refused, so nothing outside the weights root is ever opened.
 The publisher's side (:class:`DirectoryStore` as a :class:`~weightcast.store.base.WritableStore`)
 is the weights directory itself: the publisher's writer writes each version there
 (``.tmp-v<N>/`` renamed to ``v<N>/``), so writing one sends nothing; a version is removed by
-renaming it away first (:func:`~weightcast.contract.durable.remove_dir`), trimmed to its delta
+renaming it away first (:func:`~weightcast.runtime.durable.remove_dir`), trimmed to its delta
 by swapping in a trimmed copy (:meth:`DirectoryStore.trim_version`), and what a crash left is
 swept by its temp and trash names.
 """
@@ -29,7 +29,9 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Self
 
-from weightcast.contract.durable import (
+from weightcast.contract.errors import WeightsError
+from weightcast.contract.version_info import TMP_VERSION_PREFIX, dir_version
+from weightcast.runtime.durable import (
     TRASH_PREFIX,
     exchange_dirs,
     fsync_path,
@@ -37,8 +39,6 @@ from weightcast.contract.durable import (
     sweep,
     trash_path,
 )
-from weightcast.contract.errors import WeightsError
-from weightcast.contract.version_info import TMP_VERSION_PREFIX, dir_version
 from weightcast.store.base import HELD, Identity, PartUpload, WritableStore
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -82,7 +82,7 @@ class RankReader:
 
     def serves(self, source: ResolvedLocation, rank: int, keep_base: bool) -> bool:
         """Whether this reader reads what an update from ``source`` asks for."""
-        return (self.source, self.rank, self.client.files.keep_base) == (source, rank, keep_base)
+        return (self.source, self.rank, self.client.reader.keep_base) == (source, rank, keep_base)
 
     def stage(self, version: int, tp: int, engine_shape: ModelShape, ep: int = 1) -> StagedVersion:
         """Read this rank's part of ``version`` for an engine of ``engine_shape`` at ``tp``
@@ -119,7 +119,7 @@ class RankReader:
                 except LayoutError as exc:
                     raise WeightsError(f"version {version}: {exc}") from None
                 parts = [RankPart(name, tensor, shards[name]) for name, tensor in tensors.items()]
-        stats = client.files.stats
+        stats = client.reader.stats
         return StagedVersion(
             version,
             manifest.layout,
