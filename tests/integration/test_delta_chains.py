@@ -344,3 +344,40 @@ def test_a_version_refused_at_the_end_of_its_chain_leaves_the_held_tensors_as_th
         node.rank_tensors(newest, 0, TP)
     assert same(held, kept), "the tensors held before were changed"
     assert node.reader.base is not None and node.reader.base.version == newest - 4
+
+
+def test_a_link_whose_manifest_lists_none_of_the_parts_files_gives_a_full_read(run: Run) -> None:
+    """A link (its manifest the registry's) that lists no file the node holds of the part:
+    the chain cannot rebuild that file, so the newest version is read whole, refused by the
+    chain's check before any held byte changed (not refused as the version's own fault)."""
+
+    def rename(newest: int) -> None:
+        def renamed(name: str) -> str:
+            return f"other{WEIGHTS}" if name == WEIGHTS else name
+
+        base_sha = ""
+        for version in range(newest - 2, newest + 1):  # the link, then whatever chains on it
+            manifest = run.manifest(version)
+            assert manifest.delta is not None
+            delta = manifest.delta
+            if base_sha:
+                delta = dataclasses.replace(delta, base_manifest_sha256=base_sha)
+            else:
+                files = [dataclasses.replace(f, name=renamed(f.name)) for f in delta.files]
+                delta = dataclasses.replace(delta, files=files)
+                manifest = dataclasses.replace(
+                    manifest,
+                    files=[dataclasses.replace(f, name=renamed(f.name)) for f in manifest.files],
+                    tensors=[
+                        dataclasses.replace(t, file=renamed(t.file)) for t in manifest.tensors
+                    ],
+                )
+            text = dataclasses.replace(manifest, delta=delta).to_json().encode()
+            (run.dir(version) / MANIFEST_NAME).write_bytes(text)
+            base_sha = sha256_bytes(text)
+            key = run.deployment.keys.version(version)
+            run.deployment.client.hset(key, "manifest_sha256", base_sha)
+
+    full_read_after_refused_chain(
+        run, rename, f"the delta chain failed: the delta does not cover {WEIGHTS}"
+    )
