@@ -27,12 +27,14 @@ from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.snapshot_format import (
     FORMAT_DCP_SAFETENSORS,
     FORMAT_DCP_TORCH_SAVE,
+    INFO_NAME,
     SnapshotFile,
     SnapshotInfo,
     data_file_name,
     read_complete,
 )
 from weightcast.contract.tensorfile import read_header
+from weightcast.runtime.durable import write_json
 from weightcast_publisher.converter import ConvertOptions, convert
 from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 from weightcast_publisher.sources import HeaderSource
@@ -339,9 +341,8 @@ def write_blocks(
         name = data_file_name(i)
         files.append(SnapshotFile(name, write_file(path / name, tensors, offsets)))
     (path / "config.json").write_text(json.dumps(shape.to_hf_config()))
-    SnapshotInfo("id", "run", 1, 0.0, "bfloat16", "t", FORMAT_DCP_SAFETENSORS, tuple(files)).write(
-        path
-    )
+    info = SnapshotInfo("id", "run", 1, 0.0, "bfloat16", "t", FORMAT_DCP_SAFETENSORS, tuple(files))
+    write_json(path / INFO_NAME, info.to_json())
     return path
 
 
@@ -385,9 +386,8 @@ def test_blocks_that_are_not_whole_rows_are_read_with_dcp_load(tmp_path: Path) -
     files.append(SnapshotFile(data_file_name(1), size))
     files[0] = SnapshotFile(data_file_name(0), write_file(path / data_file_name(0), first, offsets))
     (path / "config.json").write_text(json.dumps(SMALL.to_hf_config()))
-    SnapshotInfo("id", "run", 1, 0.0, "bfloat16", "t", FORMAT_DCP_SAFETENSORS, tuple(files)).write(
-        path
-    )
+    info = SnapshotInfo("id", "run", 1, 0.0, "bfloat16", "t", FORMAT_DCP_SAFETENSORS, tuple(files))
+    write_json(path / INFO_NAME, info.to_json())
 
     published = convert(snapshot_at(path), tmp_path / "w", 1, ConvertOptions(tp=2))
     assert published.reader == "dcp-load"
