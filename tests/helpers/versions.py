@@ -16,6 +16,7 @@ import redis
 import torch
 from safetensors.torch import load_file, save_file
 
+from weightcast.client.chains import DEFAULT_MAX_DELTA_CHAIN
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.keys import Keys
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
@@ -103,7 +104,14 @@ class Deployment:
         assert isinstance(store.remote, S3Store)
         return store.remote
 
-    def reader(self, node_id: str = "node-a", lease_seconds: float = 30.0) -> WeightsClient:
+    def reader(
+        self,
+        node_id: str = "node-a",
+        lease_seconds: float = 30.0,
+        keep_base: bool = False,
+        max_delta_chain: int = DEFAULT_MAX_DELTA_CHAIN,
+    ) -> WeightsClient:
+        """A node of this deployment (``keep_base``: one that takes versions by delta)."""
         return WeightsClient(
             self.redis_url,
             self.location,
@@ -111,7 +119,14 @@ class Deployment:
             node_id=node_id,
             lease_seconds=lease_seconds,
             store_retry_seconds=self.store_retry_seconds,
+            keep_base=keep_base,
+            max_delta_chain=max_delta_chain,
         )
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """The same tensor names, each bitwise equal."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def split_per_rank(deployment: Deployment, version: int) -> int:

@@ -26,7 +26,7 @@ from weightcast.local.redis_server import RedisServer
 
 from helpers.models import drift, hf_state, shape_of
 from helpers.snapshots import write_snapshot
-from helpers.versions import Deployment
+from helpers.versions import Deployment, same
 
 TP = 2
 SHAPE = dataclasses.replace(shape_of(8, 8, 32, hidden=256, inter=1024, tied=False), vocab_size=1024)
@@ -68,14 +68,7 @@ def run(client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServ
 
 
 def keeping(run: Run, max_delta_chain: int = 16) -> WeightsClient:
-    node = run.deployment.reader()
-    node.reader.keep_base = True
-    node.reader.max_delta_chain = max_delta_chain
-    return node
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return run.deployment.reader(keep_base=True, max_delta_chain=max_delta_chain)
 
 
 def copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

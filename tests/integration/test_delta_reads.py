@@ -32,7 +32,7 @@ from weightcast.local.redis_server import RedisServer
 from helpers.memory import peak_traced
 from helpers.models import drift, hf_state, shape_of
 from helpers.snapshots import write_snapshot
-from helpers.versions import Deployment
+from helpers.versions import Deployment, same
 
 TP = 2
 SHAPE = dataclasses.replace(shape_of(8, 8, 32, hidden=256, inter=1024, tied=False), vocab_size=1024)
@@ -65,14 +65,7 @@ def run(client: redis.Redis, keys: Keys, tmp_path: Path, redis_server: RedisServ
 
 
 def keeping(run: Run, max_delta_chain: int = 16) -> WeightsClient:
-    reader = run.deployment.reader()
-    reader.reader.keep_base = True
-    reader.reader.max_delta_chain = max_delta_chain
-    return reader
-
-
-def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return run.deployment.reader(keep_base=True, max_delta_chain=max_delta_chain)
 
 
 def test_a_chain_of_versions_by_delta_is_bitwise_the_full_versions(run: Run) -> None:
