@@ -18,7 +18,6 @@ import redis
 from weightcast.contract.keys import SNAPSHOT_QUARANTINED, Keys
 from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.version_info import dir_version, version_dir_name
-from weightcast.runtime.config import PublisherConfig
 from weightcast.runtime.durable import TRASH_PREFIX, remove_dir, sweep
 from weightcast.runtime.logs import get_logger
 from weightcast.store.base import LOST, RESTORED, WritableStore
@@ -30,6 +29,7 @@ from weightcast_publisher.retention import (
     prune_quarantine_records,
     prune_snapshot_records,
 )
+from weightcast_publisher.settings import PublisherConfig
 from weightcast_publisher.snapshot_scan import DirId, complete_snapshots, discard, set_aside
 
 log = get_logger("publisher")

@@ -23,7 +23,6 @@ from weightcast.contract.events import Published as PublishedEvent
 from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
 from weightcast.contract.version_info import VersionInfo, version_dir_name
-from weightcast.runtime.config import PublisherConfig
 from weightcast.runtime.durable import remove_dir
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import REDIS_DOWN, Outage
@@ -34,6 +33,7 @@ from weightcast_publisher.delta_writer import auto_wait_share, warm_base
 from weightcast_publisher.leader import LeaderLock
 from weightcast_publisher.metrics import PublisherMetrics
 from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
+from weightcast_publisher.settings import PublisherConfig
 from weightcast_publisher.snapshot_scan import Snapshot
 
 log = get_logger("publisher")

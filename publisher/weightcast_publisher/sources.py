@@ -26,8 +26,8 @@ from weightcast.contract.plan import PlannedFile
 from weightcast.contract.regions import ColumnRange, Region, RowRange
 from weightcast.contract.snapshot_format import FORMAT_DCP_SAFETENSORS, SHARDING_INFO_KEY
 from weightcast.contract.tensorfile import DTYPE_SIZES, HeaderError, TensorSpan, read_header
-from weightcast.runtime.config import READERS
 from weightcast_publisher.safetensors_writer import Columns, FileRange, Piece
+from weightcast_publisher.settings import READERS
 from weightcast_publisher.snapshot_scan import CorruptSnapshot, Snapshot
 
 READER_AUTO, READER_DCP_LOAD = READERS

@@ -26,7 +26,7 @@ from weightcast.contract.sharding import ShardKind
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
 from weightcast.local.up import FOLLOWER_ID, NODE_WEIGHTS_DIR
-from weightcast.runtime.config import TrainerConfig
+from weightcast_trainer.settings import TrainerConfig
 
 from helpers.files import REPO
 from helpers.models import save_pretrained_qwen3

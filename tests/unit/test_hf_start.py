@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from weightcast.contract.errors import ConfigError
-from weightcast.runtime.config import TrainerConfig
 from weightcast_trainer.hf_start import expected_tensors, model_args_from_hf
 from weightcast_trainer.job import OWNED_BY_WEIGHTCAST, build_job_config
+from weightcast_trainer.settings import TrainerConfig
 
 
 def qwen3_config(**over: Any) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from weightcast.local.rollout import (
     sample_rollout,
     toy_reward,
 )
-from weightcast.runtime.config import RolloutConfig
+from weightcast.local.settings import RolloutConfig
 from weightcast_trainer.loss import token_logprobs
 
 from helpers.fp8_versions import fp8_sources, published, quantized_checkpoint

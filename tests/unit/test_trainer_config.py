@@ -6,9 +6,9 @@ import pytest
 
 from weightcast.contract.errors import ConfigError
 from weightcast.contract.model_shape import SHAPES, ModelShape
-from weightcast.runtime.config import MODELS, MOE_MODELS, TrainerConfig
 from weightcast_trainer.job import UNBOUNDED_STEPS, build_job_config
 from weightcast_trainer.model import TRAIN_SPEC_NAME, flavors, hf_config, qwen3_args, shape_of
+from weightcast_trainer.settings import MODELS, MOE_MODELS, TrainerConfig
 
 
 def test_weightcast_settings_and_overrides_reach_torchtitan() -> None:

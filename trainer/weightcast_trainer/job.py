@@ -9,8 +9,8 @@ import torch
 from torchtitan.experiments.forge.job_config import ForgeJobConfig
 
 from weightcast.contract.errors import ConfigError
-from weightcast.runtime.config import TrainerConfig
 from weightcast_trainer.model import START_FLAVOR, TRAIN_SPEC_NAME
+from weightcast_trainer.settings import TrainerConfig
 
 UNBOUNDED_STEPS = 10**9
 """The LR schedule's horizon when training runs until stopped."""

@@ -32,7 +32,8 @@ from weightcast.contract.errors import LayoutError, WeightsError
 from weightcast.contract.fusion import unfuse
 from weightcast.contract.model_shape import ModelShape
 from weightcast.local.policy import Policy
-from weightcast.runtime.config import Config, RolloutConfig
+from weightcast.local.settings import RolloutConfig
+from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import Outage
 from weightcast.runtime.stop import Stop

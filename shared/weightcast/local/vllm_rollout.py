@@ -28,7 +28,8 @@ from weightcast.client.vllm.local_engine import LocalEngine
 from weightcast.contract.errors import ConfigError, VersionGone, WeightsError
 from weightcast.contract.model_shape import ModelShape
 from weightcast.local.policy import Policy
-from weightcast.runtime.config import Config, UpConfig
+from weightcast.local.settings import UpConfig
+from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("rollout")

@@ -31,25 +31,8 @@ from weightcast.contract.keys import NAMESPACE_PATTERN
 from weightcast.local.settings import ProduceConfig, RolloutConfig, UpConfig
 from weightcast.runtime.spec import setting
 from weightcast.store.settings import StoreSettings
-from weightcast_publisher.settings import READERS, PublisherConfig
-from weightcast_trainer.settings import MODELS, MOE_MODELS, TrainerConfig
-
-# The names other modules imported from here when every section was declared here.
-__all__ = [
-    "COMMANDS",
-    "MODELS",
-    "MOE_MODELS",
-    "READERS",
-    "SECTION_COMMANDS",
-    "CommonConfig",
-    "Config",
-    "FollowConfig",
-    "ProduceConfig",
-    "PublisherConfig",
-    "RolloutConfig",
-    "TrainerConfig",
-    "UpConfig",
-]
+from weightcast_publisher.settings import PublisherConfig
+from weightcast_trainer.settings import TrainerConfig
 
 COMMANDS = {
     "up": "run the whole pipeline locally (private redis-server, tiny model, CPU) and exit",
