@@ -1,11 +1,12 @@
-"""One publish, from a snapshot to the registry: convert, finish in the store, register.
+"""One publish, from a snapshot to the registry: write in the store, finish there, register.
 
-:meth:`Publishing.publish` begins the version in the publisher's store, calls
-:func:`~weightcast_publisher.converter.convert` (snapshot source -> layout plan -> writer ->
-``v<N>/`` in the weights directory, the weights files sent to the store as they are written),
-finishes the version in the store (the rest of its files, ``manifest.json`` last), then
-registers it (:meth:`Publishing.register`). The registry records ``path`` relative to the
-weights directory (``v17``, ``v17/hf``), so every node resolves it against its own mount.
+:meth:`Publishing.publish` begins the version in the publisher's store, has
+:func:`~weightcast_publisher.converter.write_version` write it in the directory the store
+hands out (snapshot source -> layout plan -> writer, the weights files sent to a bucket as
+they are written), finishes it in the store (renamed to ``v<N>/`` in the weights directory,
+then the rest of its files sent, ``manifest.json`` last), then registers it
+(:meth:`Publishing.register`). The registry records ``path`` relative to the weights
+directory (``v17``, ``v17/hf``), so every node resolves it against its own mount.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from weightcast.runtime.durable import remove_dir
 from weightcast.runtime.logs import get_logger
 from weightcast.runtime.retry import REDIS_DOWN, Outage
 from weightcast.runtime.stop import StopRequest
-from weightcast.store.base import VersionWrite, WritableStore
-from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, convert
+from weightcast.store.base import LocalVersionWrite
+from weightcast.store.factory import PublisherStore
+from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, write_version
 from weightcast_publisher.delta_writer import auto_wait_share, warm_base
 from weightcast_publisher.leader import LeaderLock
 from weightcast_publisher.metrics import PublisherMetrics
@@ -66,15 +68,15 @@ def convert_options(cfg: PublisherConfig) -> ConvertOptions:
 
 
 class Publishing:
-    """Publishes a snapshot as the next version: written in ``weights_dir`` and ``store``,
-    then registered."""
+    """Publishes a snapshot as the next version: written and finished in ``store``, then
+    registered."""
 
     def __init__(
         self,
         cfg: PublisherConfig,
         options: ConvertOptions,
         weights_dir: Path,
-        store: WritableStore,
+        store: PublisherStore,
         client: redis.Redis,
         keys: Keys,
         registry: Registry,
@@ -98,7 +100,7 @@ class Publishing:
         """The read of the last version back into the page cache (the next delta's base)."""
 
     def publish(self, snapshot: Snapshot) -> None:
-        """Convert ``snapshot`` into a new version directory and register it. A snapshot that
+        """Write ``snapshot`` as a new version in the store and register it. A snapshot that
         cannot be published raises :class:`~weightcast_publisher.snapshot_scan.CorruptSnapshot`
         (the caller quarantines it)."""
         start = time.perf_counter()
@@ -145,14 +147,16 @@ class Publishing:
             no_delta=published.no_delta,
         )
 
-    def convert(self, snapshot: Snapshot, version: int, write: VersionWrite) -> ConvertedVersion:
-        """Write the version here (and its weights files to the store as they are written);
-        whatever fails leaves nothing of it in the store (``write`` is aborted)."""
+    def convert(
+        self, snapshot: Snapshot, version: int, write: LocalVersionWrite
+    ) -> ConvertedVersion:
+        """Write the version where ``write`` says (its weights files sent to a bucket as they
+        are written); whatever fails leaves nothing of it (``write`` is aborted)."""
         options = self.options
         if options.delta:
             share = auto_wait_share(self.live_nodes())
             options = dataclasses.replace(options, delta_wait_share=share)
-        return convert(snapshot, self.weights_dir, version, options, write)
+        return write_version(snapshot, write, version, options)
 
     def live_nodes(self) -> int:
         """The nodes that report to the registry (stale ones are pruned by housekeeping);
@@ -163,13 +167,14 @@ class Publishing:
             log.warning("live nodes unknown", reason=str(exc))
             return 0
 
-    def finish(self, version: int, write: VersionWrite, published: ConvertedVersion) -> None:
-        """Put the rest of the version in the store (nothing to send when the store is the
-        weights directory), ``manifest.json`` last. On failure the version is removed, from
-        the store and from here, and the snapshot is published again at the next round."""
+    def finish(self, version: int, write: LocalVersionWrite, published: ConvertedVersion) -> None:
+        """Finish the written version in the store: renamed to ``v<N>/`` in the weights
+        directory, then (to a bucket) the rest of its files sent, ``manifest.json`` last. On
+        failure the version is removed, from the store and from here, and the snapshot is
+        published again at the next round."""
         start = time.perf_counter()
         try:
-            sent = write.finish(published.path)
+            sent = write.finish(write.directory)
         except BaseException:
             with contextlib.suppress(WeightcastError):
                 self.store.remove_version(version_dir_name(version))
