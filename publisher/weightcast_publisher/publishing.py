@@ -15,27 +15,22 @@ import contextlib
 import dataclasses
 import threading
 import time
-from pathlib import Path
 
 import redis
 
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.events import Published as PublishedEvent
-from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
 from weightcast.contract.version_info import VersionInfo, version_dir_name
 from weightcast.runtime.config import PublisherConfig
 from weightcast.runtime.durable import remove_dir
 from weightcast.runtime.logs import get_logger
-from weightcast.runtime.retry import REDIS_DOWN, Outage
-from weightcast.runtime.stop import StopRequest
+from weightcast.runtime.retry import REDIS_DOWN
 from weightcast.store.base import LocalVersionWrite
-from weightcast.store.factory import PublisherStore
+from weightcast_publisher.context import PublisherContext
 from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, write_version
 from weightcast_publisher.delta_writer import auto_wait_share, warm_base
-from weightcast_publisher.leader import LeaderLock
-from weightcast_publisher.metrics import PublisherMetrics
-from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
+from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED
 from weightcast_publisher.snapshot_scan import Snapshot
 
 log = get_logger("publisher")
@@ -68,34 +63,12 @@ def convert_options(cfg: PublisherConfig) -> ConvertOptions:
 
 
 class Publishing:
-    """Publishes a snapshot as the next version: written and finished in ``store``, then
-    registered."""
+    """Publishes a snapshot as the next version: written and finished in the publisher's
+    store, then registered."""
 
-    def __init__(
-        self,
-        cfg: PublisherConfig,
-        options: ConvertOptions,
-        weights_dir: Path,
-        store: PublisherStore,
-        client: redis.Redis,
-        keys: Keys,
-        registry: Registry,
-        lock: LeaderLock,
-        metrics: PublisherMetrics,
-        outage: Outage,
-        stopping: StopRequest,
-    ) -> None:
-        self.cfg = cfg
+    def __init__(self, ctx: PublisherContext, options: ConvertOptions) -> None:
+        self.ctx = ctx
         self.options = options
-        self.weights_dir = weights_dir
-        self.store = store
-        self.redis = client
-        self.keys = keys
-        self.registry = registry
-        self.lock = lock
-        self.metrics = metrics
-        self.outage = outage
-        self.stopping = stopping
         self.warming: threading.Thread | None = None
         """The read of the last version back into the page cache (the next delta's base)."""
 
@@ -103,15 +76,16 @@ class Publishing:
         """Write ``snapshot`` as a new version in the store and register it. A snapshot that
         cannot be published raises :class:`~weightcast_publisher.snapshot_scan.CorruptSnapshot`
         (the caller quarantines it)."""
+        ctx = self.ctx
         start = time.perf_counter()
-        version = self.registry.allocate_version()
-        write = self.store.begin_version(version_dir_name(version))
+        version = ctx.registry.allocate_version()
+        write = ctx.store.begin_version(version_dir_name(version))
         try:
             published = self.convert(snapshot, version, write)
         except LayoutError as exc:
-            placement = " with publisher.expert_parallel" if self.cfg.expert_parallel else ""
+            placement = " with publisher.expert_parallel" if ctx.cfg.expert_parallel else ""
             raise ConfigError(
-                f"publisher.tp={self.cfg.tp}{placement} cannot serve the model of "
+                f"publisher.tp={ctx.cfg.tp}{placement} cannot serve the model of "
                 f"{snapshot.path}: {exc}"
             ) from None
         self.finish(version, write, published)
@@ -119,21 +93,21 @@ class Publishing:
         if outcome != REGISTERED:
             why = "already handled" if outcome == ALREADY_HANDLED else "lost the publisher lock"
             log.warning("version not registered; removing it", version=version, reason=why)
-            self.store.remove_version(version_dir_name(version))
+            ctx.store.remove_version(version_dir_name(version))
             return
         seconds = time.perf_counter() - start
         manifest = published.manifest
         if self.options.delta:  # the next version's delta reads this one from memory
             weights = sorted({t.file for t in manifest.tensors})
             size = sum(f.bytes for f in manifest.files if f.name in weights)
-            self.warming = warm_base(published.path, weights, size, self.stopping)
-        self.metrics.publish_seconds.observe(seconds)
-        self.metrics.lag_seconds.observe(lag)
-        self.metrics.bytes.inc(manifest.total_bytes)
-        self.metrics.versions.labels(published.reader).inc()
-        self.metrics.latest.set(version)
+            self.warming = warm_base(published.path, weights, size, ctx.stopping)
+        ctx.metrics.publish_seconds.observe(seconds)
+        ctx.metrics.lag_seconds.observe(lag)
+        ctx.metrics.bytes.inc(manifest.total_bytes)
+        ctx.metrics.versions.labels(published.reader).inc()
+        ctx.metrics.latest.set(version)
         if published.no_delta:
-            self.metrics.deltas_dropped.labels(published.no_delta_kind).inc()
+            ctx.metrics.deltas_dropped.labels(published.no_delta_kind).inc()
         log.info(
             "published version",
             version=version,
@@ -162,7 +136,7 @@ class Publishing:
         """The nodes that report to the registry (stale ones are pruned by housekeeping);
         0 when Redis cannot say now (the publish goes on: this only sizes a budget)."""
         try:
-            return int(self.redis.hlen(self.keys.nodes))
+            return int(self.ctx.redis.hlen(self.ctx.keys.nodes))
         except redis.RedisError as exc:
             log.warning("live nodes unknown", reason=str(exc))
             return 0
@@ -177,13 +151,15 @@ class Publishing:
             sent = write.finish(write.directory)
         except BaseException:
             with contextlib.suppress(WeightcastError):
-                self.store.remove_version(version_dir_name(version))
+                self.ctx.store.remove_version(version_dir_name(version))
             remove_dir(published.path)
             raise
         if sent:
             seconds = time.perf_counter() - start
-            self.metrics.upload_seconds.observe(seconds)
-            log.info("uploaded version", version=version, store=self.store.label, seconds=seconds)
+            self.ctx.metrics.upload_seconds.observe(seconds)
+            log.info(
+                "uploaded version", version=version, store=self.ctx.store.label, seconds=seconds
+            )
 
     def register(
         self, version: int, snapshot: Snapshot, published: ConvertedVersion
@@ -192,6 +168,7 @@ class Publishing:
 
         ``path`` (and ``hf_path``) are relative to the weights directory.
         """
+        ctx = self.ctx
         manifest, snapshot_info = published.manifest, snapshot.info
         path = version_dir_name(version)
         entry = VersionInfo(
@@ -226,14 +203,16 @@ class Publishing:
                 no_delta=entry.no_delta,
             )
             try:
-                if not self.lock.held:
-                    self.lock.try_acquire()  # taken back if no one else took it meanwhile
-                outcome = self.registry.register(
-                    dataclasses.replace(entry, created_at=registered_at), event, self.lock.holder
+                if not ctx.lock.held:
+                    ctx.lock.try_acquire()  # taken back if no one else took it meanwhile
+                outcome = ctx.registry.register(
+                    dataclasses.replace(entry, created_at=registered_at),
+                    event,
+                    ctx.lock.holder,
                 )
                 return outcome, lag
             except REDIS_DOWN as exc:
-                if self.stopping.is_set() or self.cfg.once:
+                if ctx.stopping.is_set() or ctx.cfg.once:
                     raise  # the unregistered directory is removed at the next start
-                self.metrics.errors.labels("redis").inc()
-                self.stopping.wait(self.outage.failed(exc, f"registering version {version}"))
+                ctx.metrics.errors.labels("redis").inc()
+                ctx.stopping.wait(ctx.outage.failed(exc, f"registering version {version}"))
