@@ -9,9 +9,10 @@ failing disk (full, read-only) is retried without end, both with capped exponent
 nothing is registered meanwhile, temp files are removed, ``/healthz`` says 503.
 
 The loop holds one store (:func:`~weightcast.store.factory.publisher_store`: the weights
-directory, or that directory mirrored to a bucket) and two parts of one concern each:
-:class:`~weightcast_publisher.publishing.Publishing` (one publish: convert, finish in the
-store, register) and :class:`~weightcast_publisher.housekeeping.Housekeeping` (evict, prune,
+directory, or that directory mirrored to a bucket) and two parts of one concern each, which
+it hands what they share (:class:`~weightcast_publisher.context.PublisherContext`):
+:class:`~weightcast_publisher.publishing.Publishing` (one publish: write in the store, finish
+there, register) and :class:`~weightcast_publisher.housekeeping.Housekeeping` (evict, prune,
 clean what a crash left, quarantine).
 """
 

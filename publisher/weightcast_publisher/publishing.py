@@ -142,10 +142,9 @@ class Publishing:
             return 0
 
     def finish(self, version: int, write: LocalVersionWrite, published: ConvertedVersion) -> None:
-        """Finish the written version in the store: renamed to ``v<N>/`` in the weights
-        directory, then (to a bucket) the rest of its files sent, ``manifest.json`` last. On
-        failure the version is removed, from the store and from here, and the snapshot is
-        published again at the next round."""
+        """Finish the written version in the store (``write.finish``). On failure the version
+        is removed, from the store and from here, and the snapshot is published again at the
+        next round."""
         start = time.perf_counter()
         try:
             sent = write.finish(write.directory)

@@ -12,14 +12,12 @@ file. A ``..``, an absolute name or a symlink anywhere (the version directory, t
 a weights file) is refused, so nothing outside the weights root is ever opened.
 
 The publisher's side (:class:`DirectoryStore` as a :class:`~weightcast.store.base.WritableStore`)
-is the weights directory itself, and this module is where a version is written there, removed
-and trimmed. :class:`DirectoryWrite` hands the publisher's writer ``.tmp-v<N>/`` to write the
-version's files in (each fsynced by whoever writes it), then fsyncs its directories and
-renames it to ``v<N>/`` in one durable step (:func:`~weightcast.runtime.durable.publish_dir`),
-so a ``v<N>/`` directory is always whole; an aborted or failed write removes ``.tmp-v<N>/``.
-A version is removed by renaming it away first (:func:`~weightcast.runtime.durable.remove_dir`),
-trimmed to its delta by swapping in a trimmed copy (:meth:`DirectoryStore.trim_version`), and
-what a kill left is swept by its temp and trash names (:meth:`DirectoryStore.remove_unfinished`).
+is the weights directory itself, and this module is where a version is written there,
+removed and trimmed: written in ``.tmp-v<N>/`` and renamed whole to ``v<N>/``
+(:class:`DirectoryWrite`), removed by renaming it away first
+(:func:`~weightcast.runtime.durable.remove_dir`), trimmed to its delta by swapping in a trimmed
+copy (:meth:`DirectoryStore.trim_version`); what a kill left is swept by its temp and trash
+names (:meth:`DirectoryStore.remove_unfinished`).
 """
 
 from __future__ import annotations
@@ -294,10 +292,12 @@ class DirectoryStore(WritableStore):
 
 
 class DirectoryWrite:
-    """Version ``name`` on its way into the weights directory ``root``: its files are written
-    in :attr:`directory` (``.tmp-v<N>/``, what a kill leaves there swept at the next start),
-    which :meth:`finish` makes durable and renames to :attr:`final` (``v<N>/``) in one step;
-    :meth:`abort` removes it. Nothing is sent: the writer's files are the version."""
+    """Version ``name`` on its way into the weights directory ``root``: the writer writes its
+    files in :attr:`directory` (``.tmp-v<N>/``, each file fsynced by whoever writes it; what a
+    kill leaves there is swept at the next start), which :meth:`finish` makes durable and
+    renames to :attr:`final` (``v<N>/``) in one step
+    (:func:`~weightcast.runtime.durable.publish_dir`), so a ``v<N>/`` directory is always
+    whole; :meth:`abort` removes it. Nothing is sent: the writer's files are the version."""
 
     def __init__(self, root: Path, name: str) -> None:
         number = dir_version(plain_name(name, "version directory"))

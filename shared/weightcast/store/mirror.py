@@ -59,8 +59,7 @@ class MirroredStore(WritableStore):
 
 
 class MirroredWrite:
-    """A version written in the directory (``local``) and sent to the bucket (``remote``): its
-    weights files' parts as they are written, the rest once the directory holds it whole."""
+    """A version written in the directory (``local``) and sent to the bucket (``remote``)."""
 
     def __init__(self, local: DirectoryWrite, remote: VersionWrite) -> None:
         self.local = local
