@@ -1,24 +1,24 @@
-"""Snapshot -> version directory: source, plan, write, in that order, atomically.
+"""Snapshot -> a version's files: source, plan, write, in that order.
 
-:func:`convert` is the publish path in one place: open the snapshot's source
+:func:`write_version` is the publish path's writer in one place: open the snapshot's source
 (:func:`~weightcast_publisher.sources.open_source`: byte ranges from the safetensors
 headers, or ``dcp.load``), plan the version (:func:`weightcast.contract.plan.plan_version`,
 pure), write each planned file (:mod:`weightcast_publisher.safetensors_writer`: copy, digest
 per block, check floats; and, when the previous version has the same plan, encode the delta
 from it on the way: :mod:`weightcast_publisher.delta_writer`) and the JSON files, then the
-manifest. Everything goes to
-``.tmp-v<N>/``, is fsynced, and only then renamed to ``v<N>/``: a ``v*`` directory is always
-whole. Fused files are named ``*.vllm-fused`` and their ``config.json`` names the marker
+manifest, all into the directory the store's write hands out; the store makes it ``v<N>/``
+(:class:`~weightcast.store.directory.DirectoryWrite`: a ``v*`` directory is always whole).
+Fused files are named ``*.vllm-fused`` and their ``config.json`` names the marker
 architecture (:func:`~weightcast.contract.layout.fused_config`), so stock vLLM refuses them
 instead of loading them wrong. A snapshot file that already is an HF file the plan asks for
 (one rank, every tensor whole) is linked into the version instead of copied; it is still read
 once for its digests. The caller (:mod:`~weightcast_publisher.publishing`) finishes the
-version in the publisher's store and registers it.
+version in the publisher's store and registers it; :func:`convert` writes and finishes one in
+a weights directory alone (tests, benchmarks).
 """
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,10 +44,11 @@ from weightcast.contract.plan import PlannedFile, PlannedTensor, VersionPlan, pl
 from weightcast.contract.sharding import ShardKind, rank_slice
 from weightcast.contract.snapshot_format import CONFIG_NAME
 from weightcast.contract.tensorfile import TORCH_NAMES
-from weightcast.contract.version_info import TMP_VERSION_PREFIX, version_dir_name
-from weightcast.runtime.durable import fsync_path, publish_dir, write_bytes, write_json
-from weightcast.store.base import VersionWrite
-from weightcast.store.directory import WrittenHere
+from weightcast.contract.version_info import version_dir_name
+from weightcast.runtime.durable import write_bytes, write_json
+from weightcast.store.base import LocalVersionWrite, VersionWrite
+from weightcast.store.directory import DirectoryStore
+from weightcast.store.mirror import MirroredWrite
 from weightcast_publisher.delta_writer import (
     AUTO_WAIT_SHARE,
     DELTA_AUTO,
@@ -105,6 +106,7 @@ class ConvertedVersion:
     written) but not registered yet."""
 
     path: Path
+    """Its directory in the weights directory once finished (``v<N>/``)."""
     manifest: Manifest
     manifest_sha256: str
     reader: str
@@ -123,43 +125,60 @@ def convert(
     options: ConvertOptions | None = None,
     store: VersionWrite | None = None,
 ) -> ConvertedVersion:
-    """Write ``snapshot`` as version ``version`` in ``weights_dir``; its weights files also
-    to ``store`` (the version begun in the publisher's store) as they are written: the rest
-    is the publisher's to finish. Whatever fails aborts ``store``'s version.
+    """Write ``snapshot`` as version ``version`` in the weights directory ``weights_dir`` and
+    finish it there (``v<N>/``); its weights files also to ``store`` (the version begun in a
+    bucket) as they are written: the rest is the caller's to send. Whatever fails aborts
+    ``store``'s version too. (The publisher writes through its store: :func:`write_version`.)
+    """
+    local = DirectoryStore(weights_dir).begin_version(version_dir_name(version))
+    write = local if store is None else MirroredWrite(local, store)
+    written = write_version(snapshot, write, version, options)
+    try:
+        local.finish(local.directory)
+    except BaseException:
+        write.abort()
+        raise
+    return written
+
+
+def write_version(
+    snapshot: Snapshot,
+    write: LocalVersionWrite,
+    version: int,
+    options: ConvertOptions | None = None,
+) -> ConvertedVersion:
+    """Write ``snapshot`` as version ``version`` in the directory ``write`` hands out
+    (``write.directory``), each weights file's parts handed to the store as they are written
+    (``write.file``), the manifest last; the delta's base is the newest earlier version beside
+    ``write.final``. Finishing it in the store is the caller's (``write.finish``).
 
     Raises :class:`CorruptSnapshot` for a snapshot that cannot be published (the daemon
     quarantines it), LayoutError for a tp vLLM would refuse for this model (the setting is
-    wrong, not the snapshot). OSError (a full disk...) leaves no temp directory behind.
+    wrong, not the snapshot). Whatever fails aborts ``write``: nothing of the version is left,
+    written or sent.
     """
     options = options or ConvertOptions()
-    config = read_config(snapshot)
-    source: Source = open_source(snapshot, options.reader)
-    if options.quantize == QUANTIZE_FP8:
-        source, config = QuantizedSource(source), quantized_config(config)
-    plan = _plan(source, config, options)
-    tmp = weights_dir / f"{TMP_VERSION_PREFIX}{version}"
-    final = weights_dir / version_dir_name(version)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    sink = _delta_sink(weights_dir, tmp, version, plan, options) if options.delta else None
-    store = store or WrittenHere()
+    tmp = write.directory
+    sink: DeltaSink | None = None
     try:
-        files, linked = _write_files(tmp, plan, source, config, options.digest, sink, store)
+        config = read_config(snapshot)
+        source: Source = open_source(snapshot, options.reader)
+        if options.quantize == QUANTIZE_FP8:
+            source, config = QuantizedSource(source), quantized_config(config)
+        plan = _plan(source, config, options)
+        if options.delta:
+            sink = _delta_sink(write.final.parent, tmp, version, plan, options)
+        files, linked = _write_files(tmp, plan, source, config, options.digest, sink, write)
         delta = sink.finish() if sink is not None else None
         if delta is not None:
             files.append(delta[1])
         manifest = _manifest(snapshot, version, plan, files, delta and delta[0])
         manifest_json = manifest.to_json().encode()
         write_bytes(tmp / MANIFEST_NAME, manifest_json)
-        if plan.hf_dir:
-            fsync_path(tmp / plan.hf_dir)
-        fsync_path(tmp)
-        publish_dir(tmp, final)
     except BaseException as exc:
-        store.abort()
         if sink is not None:
             sink.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        write.abort()
         if isinstance(exc, NonFiniteTensor):
             raise CorruptSnapshot(f"non-finite weights: {exc}") from None
         if isinstance(exc, SourceEnded):
@@ -167,7 +186,7 @@ def convert(
         raise
     dropped = ("", "") if sink is None else (sink.reason, sink.kind)
     return ConvertedVersion(
-        final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped
+        write.final, manifest, sha256_bytes(manifest_json), source.kind, linked, *dropped
     )
 
 
@@ -201,7 +220,6 @@ def _write_files(
 ) -> tuple[list[FileEntry], int]:
     """Every file of the version, in ``tmp``; their manifest entries and how many linked.
     The listed weights files feed ``sink``, the delta; the written ones ``store``."""
-    store = store or WrittenHere()
     if plan.hf_dir:
         (tmp / plan.hf_dir).mkdir()
     files = [_write(tmp, planned, source, digest, plan.tp, sink, store) for planned in plan.fused]

@@ -9,9 +9,10 @@ failing disk (full, read-only) is retried without end, both with capped exponent
 nothing is registered meanwhile, temp files are removed, ``/healthz`` says 503.
 
 The loop holds one store (:func:`~weightcast.store.factory.publisher_store`: the weights
-directory, or that directory mirrored to a bucket) and two parts of one concern each:
-:class:`~weightcast_publisher.publishing.Publishing` (one publish: convert, finish in the
-store, register) and :class:`~weightcast_publisher.housekeeping.Housekeeping` (evict, prune,
+directory, or that directory mirrored to a bucket) and two parts of one concern each, which
+it hands what they share (:class:`~weightcast_publisher.context.PublisherContext`):
+:class:`~weightcast_publisher.publishing.Publishing` (one publish: write in the store, finish
+there, register) and :class:`~weightcast_publisher.housekeeping.Housekeeping` (evict, prune,
 clean what a crash left, quarantine).
 """
 
@@ -36,6 +37,7 @@ from weightcast.runtime.redis_client import redis_client
 from weightcast.runtime.retry import REDIS_DOWN, Outage, Retries
 from weightcast.runtime.stop import StopRequest
 from weightcast.store.factory import publisher_store
+from weightcast_publisher.context import PublisherContext
 from weightcast_publisher.housekeeping import Housekeeping
 from weightcast_publisher.leader import LeaderLock
 from weightcast_publisher.metrics import PublisherMetrics
@@ -63,42 +65,32 @@ class Publisher:
         self.weights_dir = Path(config.common.weights_dir)
         location = config.common.weights_location() if config.common.weights_url else ""
         self.store = publisher_store(self.weights_dir, location, config.common.store_retry_seconds)
-        """Where versions are written, read back from and removed: the weights directory, or
-        that directory mirrored to the bucket nodes read (the next delta's base stays here)."""
         self.keys = Keys(config.common.namespace)
         self.redis = redis_client(config.common.redis_url)
         self.registry = Registry(self.redis, self.keys)
         self.lock = LeaderLock(self.redis, self.keys, cfg.leader_ttl_seconds)
         self.metrics = PublisherMetrics()
         self.stopping = StopRequest()
-        """Set by SIGTERM / SIGINT (a flag: see :mod:`weightcast.runtime.stop`) or :meth:`stop`."""
         self.outage = Outage(budget=config.common.redis_retry_seconds, cap=cfg.retry_max_seconds)
         self.disk = Retries(cap=cfg.retry_max_seconds)
         """The back-off of a failing disk (full, read-only) or store (down, full), retried
         without end."""
-        self.publishing = Publishing(
-            cfg,
-            options,
-            self.weights_dir,
-            self.store,
-            self.redis,
-            self.keys,
-            self.registry,
-            self.lock,
-            self.metrics,
-            self.outage,
-            self.stopping,
+        self.ctx = PublisherContext(
+            cfg=cfg,
+            checkpoint_dir=self.checkpoint_dir,
+            weights_dir=self.weights_dir,
+            store=self.store,
+            redis=self.redis,
+            keys=self.keys,
+            registry=self.registry,
+            lock=self.lock,
+            metrics=self.metrics,
+            outage=self.outage,
+            stopping=self.stopping,
         )
-        self.housekeeping = Housekeeping(
-            cfg,
-            self.checkpoint_dir,
-            self.weights_dir,
-            self.store,
-            self.redis,
-            self.keys,
-            self.registry,
-            self.metrics,
-        )
+        """What :attr:`publishing` and :attr:`housekeeping` share with the loop."""
+        self.publishing = Publishing(self.ctx, options)
+        self.housekeeping = Housekeeping(self.ctx)
         self.last_error = ""
         self.last_tick = time.monotonic()
         self.announced_standby = False

@@ -13,23 +13,19 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import redis
-
-from weightcast.contract.keys import SNAPSHOT_QUARANTINED, Keys
+from weightcast.contract.keys import SNAPSHOT_QUARANTINED
 from weightcast.contract.quarantine import QuarantineRecord
 from weightcast.contract.version_info import dir_version, version_dir_name
 from weightcast.runtime.durable import TRASH_PREFIX, remove_dir, sweep
 from weightcast.runtime.logs import get_logger
-from weightcast.store.base import LOST, RESTORED, WritableStore
+from weightcast.store.base import LOST, RESTORED
+from weightcast_publisher.context import PublisherContext
 from weightcast_publisher.eviction import Evictor, delta_only_names
-from weightcast_publisher.metrics import PublisherMetrics
-from weightcast_publisher.registry import Registry
 from weightcast_publisher.retention import (
     prune_nodes,
     prune_quarantine_records,
     prune_snapshot_records,
 )
-from weightcast_publisher.settings import PublisherConfig
 from weightcast_publisher.snapshot_scan import DirId, complete_snapshots, discard, set_aside
 
 log = get_logger("publisher")
@@ -42,49 +38,37 @@ REASON_FILE = "REASON.txt"
 class Housekeeping:
     """Evicts, prunes, cleans and quarantines for the publisher that holds the lock."""
 
-    def __init__(
-        self,
-        cfg: PublisherConfig,
-        checkpoint_dir: Path,
-        weights_dir: Path,
-        store: WritableStore,
-        client: redis.Redis,
-        keys: Keys,
-        registry: Registry,
-        metrics: PublisherMetrics,
-    ) -> None:
-        self.cfg = cfg
-        self.checkpoint_dir = checkpoint_dir
-        self.weights_dir = weights_dir
-        self.store = store
-        self.redis = client
-        self.keys = keys
-        self.registry = registry
-        self.metrics = metrics
+    def __init__(self, ctx: PublisherContext) -> None:
+        self.ctx = ctx
         self.evictor = Evictor(
-            client, keys, self.remove_version, self.trim_version, cfg.keep, cfg.delta_window
+            ctx.redis,
+            ctx.keys,
+            self.remove_version,
+            self.trim_version,
+            ctx.cfg.keep,
+            ctx.cfg.delta_window,
         )
 
     def remove_version(self, version: int) -> None:
         """Remove every file of ``version`` (evicted) from the store."""
-        self.store.remove_version(version_dir_name(version))
+        self.ctx.store.remove_version(version_dir_name(version))
 
     def trim_version(self, version: int, delta_from: int) -> None:
         """Make ``version`` delta-only in the store."""
-        self.store.trim_version(version_dir_name(version), delta_only_names(delta_from))
+        self.ctx.store.trim_version(version_dir_name(version), delta_only_names(delta_from))
 
     def evict(self) -> None:
         """Keep the newest ``keep`` versions, and any a reader leases; older ones on the
         newest's chain of deltas stay delta-only for ``delta_window`` versions."""
         result = self.evictor.run()
         for version in result.evicted:
-            self.metrics.evicted.inc()
+            self.ctx.metrics.evicted.inc()
             log.info("evicted version", version=version)
         for version in result.trimmed:
-            self.metrics.trimmed.inc()
+            self.ctx.metrics.trimmed.inc()
             log.info("kept the delta of an evicted version", version=version)
         for version in result.leased:
-            self.metrics.lease_waits.inc()
+            self.ctx.metrics.lease_waits.inc()
             log.info("eviction waits for a lease", version=version)
 
     def quarantine(
@@ -97,47 +81,49 @@ class Housekeeping:
     ) -> None:
         """Move the snapshot judged unpublishable aside, with its reason, and say so; not the
         one at ``path`` now if the trainer has written that step again since."""
-        target = self.checkpoint_dir / QUARANTINE_DIR / f"{path.name}-{int(time.time() * 1000)}"
+        ctx = self.ctx
+        target = ctx.checkpoint_dir / QUARANTINE_DIR / f"{path.name}-{int(time.time() * 1000)}"
         target.parent.mkdir(exist_ok=True)
         if not set_aside(path, judged, target):
             log.info("not quarantined: replaced or removed since it was read", path=str(path))
             return
         (target / REASON_FILE).write_text(reason + "\n")
         if snapshot_id:
-            self.registry.mark(snapshot_id, SNAPSHOT_QUARANTINED)
+            ctx.registry.mark(snapshot_id, SNAPSHOT_QUARANTINED)
         record = QuarantineRecord(reason, step, str(target), round(time.time(), 3))
-        self.registry.record_quarantine(snapshot_id or path.name, record)
-        self.metrics.quarantined.inc()
+        ctx.registry.record_quarantine(snapshot_id or path.name, record)
+        ctx.metrics.quarantined.inc()
         log.error("quarantined snapshot", path=str(path), moved_to=str(target), reason=reason)
 
     def prune_snapshots(self) -> None:
         """Remove handled snapshots from the checkpoint directory, keeping the newest two."""
-        snapshots, _ = complete_snapshots(self.checkpoint_dir)
-        handled = self.registry.handled()
+        snapshots, _ = complete_snapshots(self.ctx.checkpoint_dir)
+        handled = self.ctx.registry.handled()
         done = [s for s in snapshots if s.info.snapshot_id in handled]
         for snapshot in done[:-KEEP_SNAPSHOTS]:
             discard(snapshot)
 
     def prune_quarantine(self) -> None:
         """Keep the newest ``keep_quarantined`` quarantined snapshots."""
-        directory = self.checkpoint_dir / QUARANTINE_DIR
+        directory = self.ctx.checkpoint_dir / QUARANTINE_DIR
         if not directory.is_dir():
             return
         entries = sorted(
             (e for e in directory.iterdir() if not e.name.startswith(TRASH_PREFIX)),
             key=lambda e: e.stat().st_mtime,
         )
-        for entry in entries[: max(0, len(entries) - self.cfg.keep_quarantined)]:
+        for entry in entries[: max(0, len(entries) - self.ctx.cfg.keep_quarantined)]:
             remove_dir(entry)
 
     def prune_records(self) -> None:
         """Bound the Redis records: stale nodes, old snapshot and quarantine records."""
-        on_disk = {s.info.snapshot_id for s in complete_snapshots(self.checkpoint_dir)[0]}
-        keep = self.cfg.keep_records
+        ctx = self.ctx
+        on_disk = {s.info.snapshot_id for s in complete_snapshots(ctx.checkpoint_dir)[0]}
+        keep = ctx.cfg.keep_records
         dropped = {
-            "nodes": prune_nodes(self.redis, self.keys, self.cfg.node_retention_seconds),
-            "snapshot_records": prune_snapshot_records(self.redis, self.keys, keep, on_disk),
-            "quarantine_records": prune_quarantine_records(self.redis, self.keys, keep),
+            "nodes": prune_nodes(ctx.redis, ctx.keys, ctx.cfg.node_retention_seconds),
+            "snapshot_records": prune_snapshot_records(ctx.redis, ctx.keys, keep, on_disk),
+            "quarantine_records": prune_quarantine_records(ctx.redis, ctx.keys, keep),
         }
         if any(dropped.values()):
             log.info("pruned records", **{k: len(v) for k, v in dropped.items()})
@@ -145,18 +131,19 @@ class Housekeeping:
     def clean_weights_dir(self) -> None:
         """Remove what a crash can leave: temp and trash directories, unregistered versions,
         unfinished uploads (in the weights directory and the store)."""
-        self.weights_dir.mkdir(parents=True, exist_ok=True)
-        removed = self.store.remove_unfinished()
-        sweep(self.checkpoint_dir, (TRASH_PREFIX,))
-        sweep(self.checkpoint_dir / QUARANTINE_DIR, (TRASH_PREFIX,))
-        live = set(self.registry.live_versions())
+        ctx = self.ctx
+        ctx.weights_dir.mkdir(parents=True, exist_ok=True)
+        removed = ctx.store.remove_unfinished()
+        sweep(ctx.checkpoint_dir, (TRASH_PREFIX,))
+        sweep(ctx.checkpoint_dir / QUARANTINE_DIR, (TRASH_PREFIX,))
+        live = set(ctx.registry.live_versions())
         deltas = set(self.evictor.delta_versions())
-        for name in self.store.version_names():
+        for name in ctx.store.version_names():
             if dir_version(name) not in live | deltas:
-                self.store.remove_version(name)
+                ctx.store.remove_version(name)
                 removed.append(name)
         for version in deltas:  # a crash between the registry's trim and the store's
-            self.trim_version(version, self.registry.delta_from(version))
+            self.trim_version(version, ctx.registry.delta_from(version))
         if removed:
             log.info("removed leftovers of an earlier run", entries=",".join(sorted(removed)))
 
@@ -167,16 +154,17 @@ class Housekeeping:
         only train from their rollouts. Only a local copy whose manifest is the registered one
         goes up, and what an interrupted upload of it left is replaced (nothing to do when
         the store is the weights directory)."""
-        for version in self.registry.live_versions():
+        ctx = self.ctx
+        for version in ctx.registry.live_versions():
             name = version_dir_name(version)
-            registered = self.registry.manifest_sha256(version)
-            outcome = self.store.restore_version(name, self.weights_dir / name, registered)
+            registered = ctx.registry.manifest_sha256(version)
+            outcome = ctx.store.restore_version(name, ctx.weights_dir / name, registered)
             if outcome == LOST:
                 log.warning(
                     "a live version is in neither the store nor the weights directory; "
                     "nodes cannot load it",
                     version=version,
-                    store=self.store.label,
+                    store=ctx.store.label,
                 )
             elif outcome == RESTORED:
                 log.info("uploaded a live version the store lacked", version=version)

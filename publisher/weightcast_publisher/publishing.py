@@ -1,11 +1,12 @@
-"""One publish, from a snapshot to the registry: convert, finish in the store, register.
+"""One publish, from a snapshot to the registry: write in the store, finish there, register.
 
-:meth:`Publishing.publish` begins the version in the publisher's store, calls
-:func:`~weightcast_publisher.converter.convert` (snapshot source -> layout plan -> writer ->
-``v<N>/`` in the weights directory, the weights files sent to the store as they are written),
-finishes the version in the store (the rest of its files, ``manifest.json`` last), then
-registers it (:meth:`Publishing.register`). The registry records ``path`` relative to the
-weights directory (``v17``, ``v17/hf``), so every node resolves it against its own mount.
+:meth:`Publishing.publish` begins the version in the publisher's store, has
+:func:`~weightcast_publisher.converter.write_version` write it in the directory the store
+hands out (snapshot source -> layout plan -> writer, the weights files sent to a bucket as
+they are written), finishes it in the store (renamed to ``v<N>/`` in the weights directory,
+then the rest of its files sent, ``manifest.json`` last), then registers it
+(:meth:`Publishing.register`). The registry records ``path`` relative to the weights
+directory (``v17``, ``v17/hf``), so every node resolves it against its own mount.
 """
 
 from __future__ import annotations
@@ -14,25 +15,21 @@ import contextlib
 import dataclasses
 import threading
 import time
-from pathlib import Path
 
 import redis
 
 from weightcast.contract.errors import ConfigError, LayoutError, WeightcastError
 from weightcast.contract.events import Published as PublishedEvent
-from weightcast.contract.keys import Keys
 from weightcast.contract.manifest import ManifestError, new_hasher
 from weightcast.contract.version_info import VersionInfo, version_dir_name
 from weightcast.runtime.durable import remove_dir
 from weightcast.runtime.logs import get_logger
-from weightcast.runtime.retry import REDIS_DOWN, Outage
-from weightcast.runtime.stop import StopRequest
-from weightcast.store.base import VersionWrite, WritableStore
-from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, convert
+from weightcast.runtime.retry import REDIS_DOWN
+from weightcast.store.base import LocalVersionWrite
+from weightcast_publisher.context import PublisherContext
+from weightcast_publisher.converter import ConvertedVersion, ConvertOptions, write_version
 from weightcast_publisher.delta_writer import auto_wait_share, warm_base
-from weightcast_publisher.leader import LeaderLock
-from weightcast_publisher.metrics import PublisherMetrics
-from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED, Registry
+from weightcast_publisher.registry import ALREADY_HANDLED, REGISTERED
 from weightcast_publisher.settings import PublisherConfig
 from weightcast_publisher.snapshot_scan import Snapshot
 
@@ -66,50 +63,29 @@ def convert_options(cfg: PublisherConfig) -> ConvertOptions:
 
 
 class Publishing:
-    """Publishes a snapshot as the next version: written in ``weights_dir`` and ``store``,
-    then registered."""
+    """Publishes a snapshot as the next version: written and finished in the publisher's
+    store, then registered."""
 
-    def __init__(
-        self,
-        cfg: PublisherConfig,
-        options: ConvertOptions,
-        weights_dir: Path,
-        store: WritableStore,
-        client: redis.Redis,
-        keys: Keys,
-        registry: Registry,
-        lock: LeaderLock,
-        metrics: PublisherMetrics,
-        outage: Outage,
-        stopping: StopRequest,
-    ) -> None:
-        self.cfg = cfg
+    def __init__(self, ctx: PublisherContext, options: ConvertOptions) -> None:
+        self.ctx = ctx
         self.options = options
-        self.weights_dir = weights_dir
-        self.store = store
-        self.redis = client
-        self.keys = keys
-        self.registry = registry
-        self.lock = lock
-        self.metrics = metrics
-        self.outage = outage
-        self.stopping = stopping
         self.warming: threading.Thread | None = None
         """The read of the last version back into the page cache (the next delta's base)."""
 
     def publish(self, snapshot: Snapshot) -> None:
-        """Convert ``snapshot`` into a new version directory and register it. A snapshot that
+        """Write ``snapshot`` as a new version in the store and register it. A snapshot that
         cannot be published raises :class:`~weightcast_publisher.snapshot_scan.CorruptSnapshot`
         (the caller quarantines it)."""
+        ctx = self.ctx
         start = time.perf_counter()
-        version = self.registry.allocate_version()
-        write = self.store.begin_version(version_dir_name(version))
+        version = ctx.registry.allocate_version()
+        write = ctx.store.begin_version(version_dir_name(version))
         try:
             published = self.convert(snapshot, version, write)
         except LayoutError as exc:
-            placement = " with publisher.expert_parallel" if self.cfg.expert_parallel else ""
+            placement = " with publisher.expert_parallel" if ctx.cfg.expert_parallel else ""
             raise ConfigError(
-                f"publisher.tp={self.cfg.tp}{placement} cannot serve the model of "
+                f"publisher.tp={ctx.cfg.tp}{placement} cannot serve the model of "
                 f"{snapshot.path}: {exc}"
             ) from None
         self.finish(version, write, published)
@@ -117,21 +93,21 @@ class Publishing:
         if outcome != REGISTERED:
             why = "already handled" if outcome == ALREADY_HANDLED else "lost the publisher lock"
             log.warning("version not registered; removing it", version=version, reason=why)
-            self.store.remove_version(version_dir_name(version))
+            ctx.store.remove_version(version_dir_name(version))
             return
         seconds = time.perf_counter() - start
         manifest = published.manifest
         if self.options.delta:  # the next version's delta reads this one from memory
             weights = sorted({t.file for t in manifest.tensors})
             size = sum(f.bytes for f in manifest.files if f.name in weights)
-            self.warming = warm_base(published.path, weights, size, self.stopping)
-        self.metrics.publish_seconds.observe(seconds)
-        self.metrics.lag_seconds.observe(lag)
-        self.metrics.bytes.inc(manifest.total_bytes)
-        self.metrics.versions.labels(published.reader).inc()
-        self.metrics.latest.set(version)
+            self.warming = warm_base(published.path, weights, size, ctx.stopping)
+        ctx.metrics.publish_seconds.observe(seconds)
+        ctx.metrics.lag_seconds.observe(lag)
+        ctx.metrics.bytes.inc(manifest.total_bytes)
+        ctx.metrics.versions.labels(published.reader).inc()
+        ctx.metrics.latest.set(version)
         if published.no_delta:
-            self.metrics.deltas_dropped.labels(published.no_delta_kind).inc()
+            ctx.metrics.deltas_dropped.labels(published.no_delta_kind).inc()
         log.info(
             "published version",
             version=version,
@@ -145,40 +121,44 @@ class Publishing:
             no_delta=published.no_delta,
         )
 
-    def convert(self, snapshot: Snapshot, version: int, write: VersionWrite) -> ConvertedVersion:
-        """Write the version here (and its weights files to the store as they are written);
-        whatever fails leaves nothing of it in the store (``write`` is aborted)."""
+    def convert(
+        self, snapshot: Snapshot, version: int, write: LocalVersionWrite
+    ) -> ConvertedVersion:
+        """Write the version where ``write`` says (its weights files sent to a bucket as they
+        are written); whatever fails leaves nothing of it (``write`` is aborted)."""
         options = self.options
         if options.delta:
             share = auto_wait_share(self.live_nodes())
             options = dataclasses.replace(options, delta_wait_share=share)
-        return convert(snapshot, self.weights_dir, version, options, write)
+        return write_version(snapshot, write, version, options)
 
     def live_nodes(self) -> int:
         """The nodes that report to the registry (stale ones are pruned by housekeeping);
         0 when Redis cannot say now (the publish goes on: this only sizes a budget)."""
         try:
-            return int(self.redis.hlen(self.keys.nodes))
+            return int(self.ctx.redis.hlen(self.ctx.keys.nodes))
         except redis.RedisError as exc:
             log.warning("live nodes unknown", reason=str(exc))
             return 0
 
-    def finish(self, version: int, write: VersionWrite, published: ConvertedVersion) -> None:
-        """Put the rest of the version in the store (nothing to send when the store is the
-        weights directory), ``manifest.json`` last. On failure the version is removed, from
-        the store and from here, and the snapshot is published again at the next round."""
+    def finish(self, version: int, write: LocalVersionWrite, published: ConvertedVersion) -> None:
+        """Finish the written version in the store (``write.finish``). On failure the version
+        is removed, from the store and from here, and the snapshot is published again at the
+        next round."""
         start = time.perf_counter()
         try:
-            sent = write.finish(published.path)
+            sent = write.finish(write.directory)
         except BaseException:
             with contextlib.suppress(WeightcastError):
-                self.store.remove_version(version_dir_name(version))
+                self.ctx.store.remove_version(version_dir_name(version))
             remove_dir(published.path)
             raise
         if sent:
             seconds = time.perf_counter() - start
-            self.metrics.upload_seconds.observe(seconds)
-            log.info("uploaded version", version=version, store=self.store.label, seconds=seconds)
+            self.ctx.metrics.upload_seconds.observe(seconds)
+            log.info(
+                "uploaded version", version=version, store=self.ctx.store.label, seconds=seconds
+            )
 
     def register(
         self, version: int, snapshot: Snapshot, published: ConvertedVersion
@@ -187,6 +167,7 @@ class Publishing:
 
         ``path`` (and ``hf_path``) are relative to the weights directory.
         """
+        ctx = self.ctx
         manifest, snapshot_info = published.manifest, snapshot.info
         path = version_dir_name(version)
         entry = VersionInfo(
@@ -221,14 +202,16 @@ class Publishing:
                 no_delta=entry.no_delta,
             )
             try:
-                if not self.lock.held:
-                    self.lock.try_acquire()  # taken back if no one else took it meanwhile
-                outcome = self.registry.register(
-                    dataclasses.replace(entry, created_at=registered_at), event, self.lock.holder
+                if not ctx.lock.held:
+                    ctx.lock.try_acquire()  # taken back if no one else took it meanwhile
+                outcome = ctx.registry.register(
+                    dataclasses.replace(entry, created_at=registered_at),
+                    event,
+                    ctx.lock.holder,
                 )
                 return outcome, lag
             except REDIS_DOWN as exc:
-                if self.stopping.is_set() or self.cfg.once:
+                if ctx.stopping.is_set() or ctx.cfg.once:
                     raise  # the unregistered directory is removed at the next start
-                self.metrics.errors.labels("redis").inc()
-                self.stopping.wait(self.outage.failed(exc, f"registering version {version}"))
+                ctx.metrics.errors.labels("redis").inc()
+                ctx.stopping.wait(ctx.outage.failed(exc, f"registering version {version}"))

@@ -73,8 +73,11 @@ def test_a_version_is_sent_as_written_and_read_by_nodes_from_the_bucket(
     upload.part(1, head)
     upload.complete()
     files = FILES | {WEIGHTS: head + tail}
-    local = version(weights_dir, "v1", files)
-    assert write.finish(local) == 3  # the weights were sent already: the other three files
+    assert write.directory == weights_dir / ".tmp-v1"  # the writer writes in the directory
+    for file, data in files.items():
+        (write.directory / file).write_bytes(data)
+    assert write.finish(write.directory) == 3  # the weights were sent already: the other three
+    assert {p.name: p.read_bytes() for p in (weights_dir / "v1").iterdir()} == files
     assert bucket_files(s3_server, s3_bucket, "v1") == files
     with mirrored.open_version("v1") as stored:  # nodes read the bucket
         assert stored.read_small(MANIFEST_NAME, 100) == FILES[MANIFEST_NAME]

@@ -1,5 +1,5 @@
-"""The publisher's side of the weights directory's store: write in place, remove, trim, sweep
-(the directory mirrored to a real bucket: tests/integration/test_mirrored_store.py)."""
+"""The publisher's side of the weights directory's store: write aside then rename, remove,
+trim, sweep (the directory mirrored to a real bucket: tests/integration/test_mirrored_store.py)."""
 
 from __future__ import annotations
 
@@ -59,13 +59,42 @@ def test_the_directory_sweeps_what_an_interrupted_write_left(tmp_path: Path) -> 
     assert [p.name for p in tmp_path.iterdir()] == ["v2"]
 
 
-def test_a_version_written_in_the_directory_sends_nothing(tmp_path: Path) -> None:
-    store = DirectoryStore(tmp_path)
+def test_a_version_is_written_aside_and_renamed_whole_into_the_directory(
+    tmp_path: Path,
+) -> None:
+    """The writer writes in .tmp-v<N>/ (what a kill leaves there is swept at the next start);
+    finish renames it to v<N>/, so a v<N>/ directory is always whole; nothing is sent."""
+    store = DirectoryStore(tmp_path / "weights")
+    (tmp_path / "weights" / ".tmp-v1").mkdir(parents=True)  # a killed earlier try of v1
+    (tmp_path / "weights" / ".tmp-v1" / "stale").write_bytes(b"x")
     write = store.begin_version("v1")
+    assert write.directory == store.root / ".tmp-v1" and list(write.directory.iterdir()) == []
     assert write.file("model.vllm-fused") is None
-    local = version(tmp_path, "v1", FILES)
-    assert write.finish(local) == 0
-    assert store.restore_version("v1", local, "0" * 64) == HELD  # it is the copy itself
+    (write.directory / "hf").mkdir()
+    for file, data in FILES.items():
+        (write.directory / file).write_bytes(data)
+    assert store.version_names() == []
+    assert write.finish(write.directory) == 0
+    assert write.final == store.root / "v1" and store.version_names() == ["v1"]
+    assert sorted(p.name for p in write.final.iterdir()) == sorted([*FILES, "hf"])
+    assert sorted(p.name for p in store.root.iterdir()) == ["v1"]
+    assert store.restore_version("v1", write.final, "0" * 64) == HELD  # it is the copy itself
+    with pytest.raises(WeightsError, match="not a version directory"):
+        store.begin_version("v1.bak")
+
+
+def test_an_aborted_or_failed_write_leaves_nothing(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    aborted = store.begin_version("v2")
+    (aborted.directory / "model.vllm-fused").write_bytes(b"w")
+    aborted.abort()
+    failed = store.begin_version("v3")
+    (failed.directory / MANIFEST_NAME).write_bytes(b"{}")
+    version(tmp_path, "v3", FILES)  # the rename cannot replace a full directory
+    with pytest.raises(OSError):
+        failed.finish(failed.directory)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v3"]
+    assert (tmp_path / "v3" / MANIFEST_NAME).read_bytes() == FILES[MANIFEST_NAME]
 
 
 def test_the_publisher_holds_its_directory_or_the_directory_mirrored(tmp_path: Path) -> None:

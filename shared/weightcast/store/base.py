@@ -125,8 +125,8 @@ class PartUpload(Protocol):
 
 class VersionWrite(Protocol):
     """One version on its way into a store, from :meth:`WritableStore.begin_version` on: the
-    publisher writes the version in its weights directory, hands each weights file's parts
-    over as it writes them, then finishes it from that directory."""
+    publisher's writer writes the version's files in a directory, hands each weights file's
+    parts over as it writes them, then finishes it from that directory."""
 
     def file(self, name: str) -> PartUpload | None:
         """Where the parts of the version's file ``name`` go as the writer produces them;
@@ -135,16 +135,30 @@ class VersionWrite(Protocol):
         ...
 
     def finish(self, local: Path) -> int:
-        """Make the complete local version directory ``local`` the store's version: its files
-        but those sent part by part already, ``manifest.json`` last; how many files it sent
-        (0: the store is that directory). Nothing is registered yet: a failure or a kill
-        leaves what :meth:`WritableStore.remove_version` and
-        :meth:`WritableStore.remove_unfinished` remove."""
+        """Make the complete local version directory ``local`` the store's version (a
+        directory renames it into place; a bucket receives its files but those sent part by
+        part already, ``manifest.json`` last); how many files it sent (0: the store is that
+        directory). Nothing is registered yet: a failure or a kill leaves what
+        :meth:`WritableStore.remove_version` and :meth:`WritableStore.remove_unfinished`
+        remove."""
         ...
 
     def abort(self) -> None:
-        """Give the version up (best effort): the files being sent, and what was sent."""
+        """Give the version up (best effort): what was written, the files being sent, and
+        what was sent."""
         ...
+
+
+class LocalVersionWrite(VersionWrite, Protocol):
+    """A version written in the publisher's weights directory (the write of
+    :class:`~weightcast.store.directory.DirectoryStore` and of
+    :class:`~weightcast.store.mirror.MirroredStore`): the writer writes its files in
+    :attr:`directory`, and ``finish(directory)`` puts it at :attr:`final`."""
+
+    directory: Path
+    """Where the writer writes the version's files (``.tmp-v<N>/``)."""
+    final: Path
+    """Where the version is once finished (``v<N>/``): the next version's delta base."""
 
 
 HELD = "held"

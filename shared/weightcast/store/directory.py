@@ -12,11 +12,12 @@ file. A ``..``, an absolute name or a symlink anywhere (the version directory, t
 a weights file) is refused, so nothing outside the weights root is ever opened.
 
 The publisher's side (:class:`DirectoryStore` as a :class:`~weightcast.store.base.WritableStore`)
-is the weights directory itself: the publisher's writer writes each version there
-(``.tmp-v<N>/`` renamed to ``v<N>/``), so writing one sends nothing; a version is removed by
-renaming it away first (:func:`~weightcast.runtime.durable.remove_dir`), trimmed to its delta
-by swapping in a trimmed copy (:meth:`DirectoryStore.trim_version`), and what a crash left is
-swept by its temp and trash names.
+is the weights directory itself, and this module is where a version is written there,
+removed and trimmed: written in ``.tmp-v<N>/`` and renamed whole to ``v<N>/``
+(:class:`DirectoryWrite`), removed by renaming it away first
+(:func:`~weightcast.runtime.durable.remove_dir`), trimmed to its delta by swapping in a trimmed
+copy (:meth:`DirectoryStore.trim_version`); what a kill left is swept by its temp and trash
+names (:meth:`DirectoryStore.remove_unfinished`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from weightcast.runtime.durable import (
     TRASH_PREFIX,
     exchange_dirs,
     fsync_path,
+    publish_dir,
     remove_dir,
     sweep,
     trash_path,
@@ -225,8 +227,9 @@ class DirectoryStore(WritableStore):
 
     # The publisher
 
-    def begin_version(self, name: str) -> WrittenHere:
-        return WrittenHere()
+    def begin_version(self, name: str) -> DirectoryWrite:
+        """Start writing version ``name`` (``v17``) in ``.tmp-v17/``, created empty."""
+        return DirectoryWrite(self.root, name)
 
     def remove_version(self, name: str) -> None:
         """Remove every file of version ``name`` (its directory, renamed away first)."""
@@ -288,15 +291,43 @@ class DirectoryStore(WritableStore):
         return HELD
 
 
-class WrittenHere:
-    """A version the publisher's writer writes in the directory store itself: nothing to
-    send, nothing to remove but what the writer removes."""
+class DirectoryWrite:
+    """Version ``name`` on its way into the weights directory ``root``: the writer writes its
+    files in :attr:`directory` (``.tmp-v<N>/``, each file fsynced by whoever writes it; what a
+    kill leaves there is swept at the next start), which :meth:`finish` makes durable and
+    renames to :attr:`final` (``v<N>/``) in one step
+    (:func:`~weightcast.runtime.durable.publish_dir`), so a ``v<N>/`` directory is always
+    whole; :meth:`abort` removes it. Nothing is sent: the writer's files are the version."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        number = dir_version(plain_name(name, "version directory"))
+        if number is None:
+            raise WeightsError(f"{name!r}: not a version directory name (v<N>)")
+        self.final = root / name
+        """Where the version is once finished: the next version's delta base."""
+        self.directory = root / f"{TMP_VERSION_PREFIX}{number}"
+        """Where the writer writes the version's files until :meth:`finish`."""
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory.mkdir(parents=True)
 
     def file(self, name: str) -> PartUpload | None:
+        """None: the file is written in :attr:`directory`, nothing to send."""
         return None
 
     def finish(self, local: Path) -> int:
+        """Make ``local`` (:attr:`directory`, every file in it written and fsynced) the version
+        ``v<N>/``: its directories fsynced, then renamed into place, the rename made durable.
+        Sends nothing (0). A failure removes ``local``: no half version is left behind."""
+        try:
+            for sub in sorted(p for p in local.rglob("*") if p.is_dir()):
+                fsync_path(sub)
+            fsync_path(local)
+            publish_dir(local, self.final)
+        except BaseException:
+            shutil.rmtree(local, ignore_errors=True)
+            raise
         return 0
 
     def abort(self) -> None:
-        """Nothing: the writer removes its temp directory."""
+        """Remove the unfinished version (:attr:`directory`) and what was written in it."""
+        shutil.rmtree(self.directory, ignore_errors=True)

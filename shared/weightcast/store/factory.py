@@ -7,6 +7,10 @@ from pathlib import Path
 from weightcast.contract.errors import ConfigError
 from weightcast.store.base import Store, WritableStore
 from weightcast.store.directory import DirectoryStore
+from weightcast.store.mirror import MirroredStore
+
+PublisherStore = DirectoryStore | MirroredStore
+"""The store a publisher holds: versions are written in its weights directory either way."""
 
 SCHEMES = ("s3",)
 """The object stores weightcast reads and writes; any other ``scheme://`` is refused."""
@@ -34,15 +38,13 @@ def open_store(location: str | Path | Store, retry_seconds: float = 60.0) -> Sto
 
 def publisher_store(
     weights_dir: str | Path, location: str = "", retry_seconds: float = 60.0
-) -> WritableStore:
+) -> PublisherStore:
     """The one store a publisher writes: its weights directory, or (``location`` an object
     store nodes read) that directory mirrored to it
     (:class:`~weightcast.store.mirror.MirroredStore`)."""
     local = DirectoryStore(weights_dir)
     if not location:
         return local
-    from weightcast.store.mirror import MirroredStore
-
     remote = open_store(location, retry_seconds)
     if not isinstance(remote, WritableStore) or isinstance(remote, DirectoryStore):
         raise ConfigError(f"weights location {location}: not an object store to mirror to")

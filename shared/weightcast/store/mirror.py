@@ -1,10 +1,11 @@
 """The publisher's weights directory mirrored to a bucket: the one store of a publisher whose
 nodes read an object store.
 
-Every version is written in the directory first (it is the next version's delta base, read
-from the page cache), its weights files sent to the bucket as the writer writes them, the rest
-after; it is removed and trimmed in the bucket first, then in the directory. Nodes read the
-bucket.
+Every version is written in the directory first
+(:class:`~weightcast.store.directory.DirectoryWrite`: it is the next version's delta base,
+read from the page cache), its weights files sent to the bucket as the writer writes them, the
+rest once the directory holds it whole (:class:`MirroredWrite`); it is removed and trimmed in
+the bucket first, then in the directory. Nodes read the bucket.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from weightcast.store.base import PartUpload, StoredVersion, VersionWrite, WritableStore
-from weightcast.store.directory import DirectoryStore
+from weightcast.store.directory import DirectoryStore, DirectoryWrite
 
 
 class MirroredStore(WritableStore):
@@ -58,18 +59,21 @@ class MirroredStore(WritableStore):
 
 
 class MirroredWrite:
-    """A version written in the directory (by the publisher's writer) and sent to the bucket:
-    its parts as they are written, the rest once the directory holds it whole."""
+    """A version written in the directory (``local``) and sent to the bucket (``remote``)."""
 
-    def __init__(self, local: VersionWrite, remote: VersionWrite) -> None:
+    def __init__(self, local: DirectoryWrite, remote: VersionWrite) -> None:
         self.local = local
         self.remote = remote
+        self.directory = local.directory
+        self.final = local.final
 
     def file(self, name: str) -> PartUpload | None:
         return self.remote.file(name)
 
     def finish(self, local: Path) -> int:
-        return self.local.finish(local) + self.remote.finish(local)
+        """Put ``local`` in place in the directory, then send the rest of it from there."""
+        self.local.finish(local)
+        return self.remote.finish(self.final)
 
     def abort(self) -> None:
         self.remote.abort()

@@ -358,7 +358,10 @@ class S3VersionWrite:
 
     def abort(self) -> None:
         """Give the unfinished uploads up and remove what was sent (best effort: what remains
-        is removed at the next start)."""
+        is removed at the next start); nothing to do before the first file (a snapshot the
+        converter refused before writing: the bucket is not called)."""
+        if not self.uploads:
+            return
         for upload in self.uploads.values():
             if not upload.completed:
                 upload.abort()
