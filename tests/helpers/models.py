@@ -232,9 +232,16 @@ multiple of 32 for its kernel, and its layerwise reload then fails on the padded
 (32)``), so ``MOE_INTER / 4`` is a multiple of 32."""
 
 
-def moe_checkpoint(path: Path, experts: int = EXPERTS, seed: int = 0) -> Path:
+def moe_checkpoint(
+    path: Path,
+    experts: int = EXPERTS,
+    seed: int = 0,
+    dense_layers: tuple[int, ...] = (1,),
+    tied: bool = True,
+) -> Path:
     """A ``save_pretrained`` Qwen3-MoE (HF expert names, what a trainer snapshot holds):
-    layers 0 and 2 sparse, layer 1 dense (``mlp_only_layers``), vocabulary 1000, tied."""
+    3 layers, ``dense_layers`` dense (``mlp_only_layers``; by default layer 1, between two
+    sparse ones), the others sparse, vocabulary 1000, ``tied`` embeddings or not."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -249,8 +256,8 @@ def moe_checkpoint(path: Path, experts: int = EXPERTS, seed: int = 0) -> Path:
         num_experts=experts,
         num_experts_per_tok=2,
         norm_topk_prob=True,
-        mlp_only_layers=[1],
-        tie_word_embeddings=True,
+        mlp_only_layers=list(dense_layers),
+        tie_word_embeddings=tied,
         max_position_embeddings=256,
     )
     torch.manual_seed(seed)
