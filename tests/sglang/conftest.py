@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from weightcast.contract.model_shape import SHAPES
 from weightcast.local.redis_server import RedisServer
 
 from helpers.processes import with_test_modules
-from helpers.registry import Registry
+from helpers.registry import Registry, Versions, flip_byte, random_state
 from sglang_helpers import STAND_IN, sglang_env
 
 HERE = Path(__file__).resolve().parent
@@ -34,6 +35,9 @@ os.environ.update(sglang_env(CALLS))
 sys.path.insert(0, str(STAND_IN))  # this process imports SGLang too (the engines under test)
 
 TINY = SHAPES["tiny"].to_hf_config()
+ODD_VOCAB = replace(SHAPES["tiny"], vocab_size=1000).to_hf_config()
+HF_WEIGHTS = "model-00001-of-00001.safetensors"
+"""The weights file of a tiny ``hf`` version."""
 
 
 def stand_in_calls() -> str:
@@ -76,3 +80,22 @@ def fresh_outputs(
         return {m: known[m] for m in models}
 
     return outputs
+
+
+@pytest.fixture(scope="session")
+def tiny(registry: Registry) -> Versions:
+    """A, B, C in the ``hf`` layout (C's delta is from B), and versions the engine must
+    refuse: B laid out for vLLM, another model, B with a corrupt block."""
+    states = {name: random_state(TINY, seed) for seed, name in enumerate("ABC", start=1)}
+    number = {name: registry.publish(TINY, states[name], layout="hf") for name in "ABC"}
+    number["B-fused"] = registry.publish(TINY, states["B"])
+    number["other-model"] = registry.publish(ODD_VOCAB, random_state(ODD_VOCAB, 9), layout="hf")
+    number["B-corrupt"] = registry.publish(TINY, states["B"], layout="hf")
+    flip_byte(registry.versions[number["B-corrupt"]] / HF_WEIGHTS)
+    return Versions(registry, number, states)
+
+
+@pytest.fixture(scope="session")
+def fresh(tiny: Versions, fresh_outputs: Any) -> dict[str, Any]:
+    by_dir = fresh_outputs([tiny.path(name) for name in "ABC"])
+    return {name: by_dir[tiny.path(name)] for name in "ABC"}

@@ -10,11 +10,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import socket
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+from helpers.servers import EngineServer, free_port
 
 STAND_IN = Path(__file__).resolve().parent / "stand_in"
 """The folder holding the ``sgl_kernel`` stand-in."""
@@ -33,13 +36,7 @@ def sglang_env(calls: Path) -> dict[str, str]:
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def engine_args(model: str | Path) -> dict[str, Any]:
+def engine_args(model: str | Path, **extra: Any) -> dict[str, Any]:
     """``sglang.Engine`` arguments for a tiny model on this CPU, deterministic, no tokenizer
     (what was found to run here: docs/sglang.md)."""
     return {
@@ -55,12 +52,14 @@ def engine_args(model: str | Path) -> dict[str, Any]:
         "random_seed": 0,
         "port": free_port(),
         "log_level": "warning",
+        **extra,
     }
 
 
 @contextlib.contextmanager
-def sglang_engine(model: str | Path) -> Iterator[Any]:
-    """An ``sglang.Engine`` started from ``model``'s HF directory, shut down on exit.
+def sglang_engine(model: str | Path, **extra: Any) -> Iterator[Any]:
+    """An ``sglang.Engine`` started from ``model``'s HF directory (``extra``: arguments of
+    :func:`engine_args` to override), shut down on exit.
 
     ``Engine.shutdown`` ends with ``kill_process_tree(os.getpid(), include_parent=False)``:
     it SIGKILLs every child of the calling process, the session's redis-server and S3 server
@@ -74,7 +73,7 @@ def sglang_engine(model: str | Path) -> Iterator[Any]:
 
     me = psutil.Process()
     before = {child.pid for child in me.children()}
-    engine = sglang.Engine(**engine_args(model))
+    engine = sglang.Engine(**engine_args(model, **extra))
     own = [child.pid for child in me.children() if child.pid not in before]
 
     def kill_own(parent_pid: int, include_parent: bool = True, **options: Any) -> None:
@@ -92,7 +91,8 @@ def sglang_engine(model: str | Path) -> Iterator[Any]:
 
 def greedy(engine: Any) -> list[dict[str, Any]]:
     """Greedy tokens, their log-probabilities and every prompt token's, for :data:`PROMPTS`
-    (one prompt per ``generate``: a batch runs other kernel shapes)."""
+    (one prompt per ``generate``: a batch runs other kernel shapes), from an ``sglang.Engine``
+    or a :class:`Server`."""
     results = []
     for prompt in PROMPTS:
         out = engine.generate(
@@ -110,3 +110,34 @@ def greedy(engine: Any) -> list[dict[str, Any]]:
             }
         )
     return results
+
+
+@dataclass
+class Server(EngineServer):
+    """``python -m sglang.launch_server`` with the arguments of :func:`engine_args`."""
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1"]
+        for name, value in {**engine_args(self.model), "port": self.port}.items():
+            flag = "--" + name.replace("_", "-")
+            argv += [flag] if value is True else [flag, str(value)]
+        return argv
+
+    def generate(self, **request: Any) -> Any:
+        """``/generate``, as ``sglang.Engine.generate`` takes and answers it."""
+        return self.call("POST", "/generate", request)
+
+    def weight_version(self) -> str:
+        return str(self.call("GET", "/model_info")["weight_version"])
+
+
+@contextlib.contextmanager
+def serving(model: Path, log_path: Path) -> Iterator[Server]:
+    """A :class:`Server` from ``model``'s HF directory, ready to answer; stopped after."""
+    server = Server(model, log_path)
+    server.start()
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -12,7 +12,6 @@ an SGLang engine started fresh from the version it should serve, which it also r
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -22,34 +21,12 @@ from weightcast.client.engine import REFUSED, VersionRefused
 from weightcast.client.sglang.engine import SglangNode
 from weightcast.client.sglang.local_engine import LocalSglangEngine
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.model_shape import SHAPES, ModelShape
+from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.nodes import NodeReport
 
 from conftest import TINY, stand_in_calls
-from helpers.registry import Registry, Versions, flip_byte, random_state
+from helpers.registry import Registry, Versions
 from sglang_helpers import greedy, sglang_engine
-
-ODD_VOCAB = replace(SHAPES["tiny"], vocab_size=1000).to_hf_config()
-HF_WEIGHTS = "model-00001-of-00001.safetensors"
-
-
-@pytest.fixture(scope="module")
-def tiny(registry: Registry) -> Versions:
-    """A, B, C in the ``hf`` layout (C's delta is from B), and versions the engine must
-    refuse: B laid out for vLLM, another model, B with a corrupt block."""
-    states = {name: random_state(TINY, seed) for seed, name in enumerate("ABC", start=1)}
-    number = {name: registry.publish(TINY, states[name], layout="hf") for name in "ABC"}
-    number["B-fused"] = registry.publish(TINY, states["B"])
-    number["other-model"] = registry.publish(ODD_VOCAB, random_state(ODD_VOCAB, 9), layout="hf")
-    number["B-corrupt"] = registry.publish(TINY, states["B"], layout="hf")
-    flip_byte(registry.versions[number["B-corrupt"]] / HF_WEIGHTS)
-    return Versions(registry, number, states)
-
-
-@pytest.fixture(scope="module")
-def fresh(tiny: Versions, fresh_outputs: Any) -> dict[str, Any]:
-    by_dir = fresh_outputs([tiny.path(name) for name in "ABC"])
-    return {name: by_dir[tiny.path(name)] for name in "ABC"}
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,10 @@ byte of it: no parameter is touched.
 * :mod:`.staging`: lease, verify and read a version for an engine (no SGLang).
 * :mod:`.engine`: the update sequence, :func:`~.engine.swap`, for any SGLang engine, and the
   node, :class:`~.engine.SglangNode`.
-* :mod:`.local_engine`: an ``sglang.Engine`` in this process; the only module that imports
-  SGLang (lazily).
+* :mod:`.local_engine`: an ``sglang.Engine`` in this process.
+* :mod:`.server`: an SGLang server's update routes over HTTP (the node on the server's host).
+* :mod:`.server_node`: the loop behind ``weightcast follow --sglang-url``.
+
+Only :mod:`.local_engine` and :mod:`.server` import SGLang, lazily, at the first update; the
+rest runs in the core install.
 """

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from weightcast.client.engine import EngineError
+from weightcast.client.settings import SGLANG_PAUSE_MODES
 from weightcast.client.sglang.staging import StagedVersion, stage
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.model_shape import ModelShape
@@ -23,7 +24,7 @@ from weightcast.runtime.logs import get_logger
 
 log = get_logger("sglang")
 
-PAUSE_MODES = ("wait", "abort", "retract", "in_place")
+PAUSE_MODES = SGLANG_PAUSE_MODES
 """``wait``: no pause; SGLang runs the update between two scheduler steps and flushes the
 cache computed with the old weights (it refuses while requests run). The others are SGLang's
 ``pause_generation`` modes: ``abort`` ends running requests, ``retract`` puts them back in the
@@ -77,6 +78,10 @@ class SglangNode:
         self.shape = shape
         self.served = 0
         """The version the engine runs (0: none of weightcast's yet)."""
+        self.error = ""
+        """Why the last version offered was not loaded ('' once one loads)."""
+        self.via, self.read_bytes = "", 0
+        """How the version served was read (``full``, ``delta``, ``chain``), and how much."""
         self.lease = contextlib.ExitStack()
 
     def load(self, version: int) -> StagedVersion:
@@ -92,7 +97,8 @@ class SglangNode:
             swap(self.engine, staged)
         except EngineError as exc:
             lease.close()
-            self.client.report_loaded(self.served, f"v{version} not loaded: {exc}")
+            self.error = f"v{version} not loaded: {exc}"
+            self.report()
             log.error("sglang did not load version", version=version, error=str(exc))
             raise
         except BaseException:
@@ -100,8 +106,9 @@ class SglangNode:
             raise
         self.lease.close()
         self.lease = lease
-        self.served = version
-        self.client.report_loaded(version, via=staged.via, read_bytes=staged.read_bytes)
+        self.served, self.error = version, ""
+        self.via, self.read_bytes = staged.via, staged.read_bytes
+        self.report()
         log.info(
             "sglang serves version",
             version=version,
@@ -110,6 +117,11 @@ class SglangNode:
             seconds=round(time.perf_counter() - started, 3),
         )
         return staged
+
+    def report(self) -> None:
+        """Record in ``{wc}:nodes`` the version served and the last error, if any."""
+        if self.served or self.error:
+            self.client.report_loaded(self.served, self.error, self.via, self.read_bytes)
 
     def close(self) -> None:
         """Release the lease of the version served."""
