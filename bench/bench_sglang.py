@@ -69,7 +69,7 @@ def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
                 staged = stage(client, info, node.shape)
                 times["stage"].append(time.perf_counter() - began)
                 began = time.perf_counter()
-                swap(local, staged)
+                swap(local, version, list(staged.tensors.items()))
                 times["swap"].append(time.perf_counter() - began)
             client.close()
             (weights,) = directory.glob("*.safetensors")

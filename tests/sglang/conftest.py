@@ -84,18 +84,23 @@ def fresh_outputs(
 
 @pytest.fixture(scope="session")
 def tiny(registry: Registry) -> Versions:
-    """A, B, C in the ``hf`` layout (C's delta is from B), and versions the engine must
-    refuse: B laid out for vLLM, another model, B with a corrupt block."""
+    """A, B, C in the ``hf`` layout (C's delta is from B), versions the engine must refuse (B
+    laid out for vLLM, another model, B with a corrupt block), and B-norm: B with one tensor
+    changed."""
     states = {name: random_state(TINY, seed) for seed, name in enumerate("ABC", start=1)}
     number = {name: registry.publish(TINY, states[name], layout="hf") for name in "ABC"}
     number["B-fused"] = registry.publish(TINY, states["B"])
     number["other-model"] = registry.publish(ODD_VOCAB, random_state(ODD_VOCAB, 9), layout="hf")
     number["B-corrupt"] = registry.publish(TINY, states["B"], layout="hf")
     flip_byte(registry.versions[number["B-corrupt"]] / HF_WEIGHTS)
+    norm = "model.norm.weight"
+    states["B-norm"] = {**states["B"], norm: states["B"][norm] * 2}
+    number["B-norm"] = registry.publish(TINY, states["B-norm"], layout="hf")
     return Versions(registry, number, states)
 
 
 @pytest.fixture(scope="session")
 def fresh(tiny: Versions, fresh_outputs: Any) -> dict[str, Any]:
-    by_dir = fresh_outputs([tiny.path(name) for name in "ABC"])
-    return {name: by_dir[tiny.path(name)] for name in "ABC"}
+    names = ["A", "B", "C", "B-norm"]
+    by_dir = fresh_outputs([tiny.path(name) for name in names])
+    return {name: by_dir[tiny.path(name)] for name in names}

@@ -3,10 +3,11 @@ SGLang engines.
 
 Versions come from the real publisher (``--layout hf``, with deltas). The engine under test
 starts from version A's directory and is moved through B (read whole), C (by delta from B),
-refused versions (laid out for vLLM, another model, a corrupt block) and back to A; after
-each step its greedy tokens, their log-probabilities and the prompt's equal, exactly, those of
-an SGLang engine started fresh from the version it should serve, which it also reports (as
-``weight_version`` and in ``{wc}:nodes``).
+back to A, B again, a version that changes one tensor (only it handed to SGLang), and refused
+versions (laid out for vLLM, another model, a corrupt block); after each step its greedy
+tokens, their log-probabilities and the prompt's equal, exactly, those of an SGLang engine
+started fresh from the version it should serve, which it also reports (as ``weight_version``
+and in ``{wc}:nodes``).
 """
 
 from __future__ import annotations
@@ -79,7 +80,12 @@ def test_updates_equal_fresh_engines_exactly(
             via,
         )
         assert tiny.registry.leases(version) == ["sg-0"]  # held while served
-    assert all(tiny.registry.leases(v) == [] for n, v in tiny.number.items() if n != "B")
+        assert len(node.handed) == len(tiny.states[name])  # random versions: every tensor
+    # B-norm differs from B, which the engine holds, in one tensor: only it is handed over.
+    node.load(tiny.number["B-norm"])
+    assert node.handed == ["model.norm.weight"]
+    assert outputs(node) == fresh["B-norm"] != fresh["B"]
+    assert all(tiny.registry.leases(v) == [] for n, v in tiny.number.items() if n != "B-norm")
 
 
 @pytest.mark.parametrize(

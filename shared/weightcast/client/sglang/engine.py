@@ -14,6 +14,7 @@ import time
 from typing import Protocol
 
 import torch
+import xxhash
 
 from weightcast.client.engine import EngineError
 from weightcast.client.settings import SGLANG_PAUSE_MODES
@@ -49,19 +50,26 @@ class SglangEngine(Protocol):
     def resume(self) -> None: ...
 
 
-def swap(engine: SglangEngine, staged: StagedVersion) -> None:
-    """Load ``staged`` into the engine and make it report the version; raises
-    :class:`EngineError` (the session is closed and generation continues either way)."""
+def swap(engine: SglangEngine, version: int, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Load ``tensors`` (all of ``version``'s, or those that differ from what the engine holds)
+    into the engine and make it report ``version``; raises :class:`EngineError` (the session
+    is closed and generation continues either way)."""
     engine.pause()
     try:
         engine.begin_weight_update()
         try:
-            engine.update_weights_from_tensor(list(staged.tensors.items()))
+            if tensors:
+                engine.update_weights_from_tensor(tensors)
         finally:
             engine.end_weight_update()
-        engine.update_weight_version(str(staged.version))
+        engine.update_weight_version(str(version))
     finally:
         engine.resume()
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """xxh3-128 of a tensor's bytes: what tells a changed tensor from one the engine holds."""
+    return xxhash.xxh3_128_digest(tensor.contiguous().view(torch.uint8).numpy())
 
 
 class SglangNode:
@@ -69,7 +77,9 @@ class SglangNode:
 
     Holds the lease of the version served until a newer one replaces it, reports each load
     (or refusal) in ``{wc}:nodes``, and keeps its client's host base, so that the next version
-    is read by delta when it can be.
+    is read by delta when it can be. SGLang's update takes any subset of the tensors, so only
+    those whose bytes differ from what the engine holds are handed over (the first load, and
+    any after a failed one, hands every tensor).
     """
 
     def __init__(self, engine: SglangEngine, client: WeightsClient, shape: ModelShape) -> None:
@@ -82,6 +92,10 @@ class SglangNode:
         """Why the last version offered was not loaded ('' once one loads)."""
         self.via, self.read_bytes = "", 0
         """How the version served was read (``full``, ``delta``, ``chain``), and how much."""
+        self.held: dict[str, bytes] = {}
+        """The digest of each tensor the engine holds from the version served."""
+        self.handed: list[str] = []
+        """The tensors the last load handed to the engine."""
         self.lease = contextlib.ExitStack()
 
     def load(self, version: int) -> StagedVersion:
@@ -94,7 +108,17 @@ class SglangNode:
         try:
             info = lease.enter_context(self.client.lease(version))
             staged = stage(self.client, info, self.shape)
-            swap(self.engine, staged)
+            digests = {name: tensor_digest(t) for name, t in staged.tensors.items()}
+            changed = [
+                (name, tensor)
+                for name, tensor in staged.tensors.items()
+                if self.held.get(name) != digests[name]
+            ]
+            try:
+                swap(self.engine, version, changed)
+            except EngineError:
+                self.held = {}  # SGLang may have loaded some of them: hand all next time
+                raise
         except EngineError as exc:
             lease.close()
             self.error = f"v{version} not loaded: {exc}"
@@ -108,11 +132,13 @@ class SglangNode:
         self.lease = lease
         self.served, self.error = version, ""
         self.via, self.read_bytes = staged.via, staged.read_bytes
+        self.held, self.handed = digests, [name for name, _ in changed]
         self.report()
         log.info(
             "sglang serves version",
             version=version,
             via=staged.via,
+            tensors=f"{len(changed)} of {len(staged.tensors)}",
             read_seconds=round(staged.read_seconds, 3),
             seconds=round(time.perf_counter() - started, 3),
         )
