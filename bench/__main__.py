@@ -30,6 +30,7 @@ BENCHMARKS = {
     "s3-baseline": ("s3_baseline.py", "raw S3 throughput: s5cmd and ranged HTTP GETs"),
     "inplace": ("bench_inplace.py", "the vLLM backend's in-place load into engine-shaped tensors"),
     "vllm": ("bench_vllm.py", "a real vLLM engine's update (the vLLM venv; tests on PYTHONPATH)"),
+    "sglang": ("bench_sglang.py", "a real SGLang engine's update (the SGLang venv)"),
     "gpu": ("gpu.py", "the GPU machine's steps (bench/gpu.sh installs, then runs it)"),
 }
 """Name: (the script in ``bench/``, what it measures)."""

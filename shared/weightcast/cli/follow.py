@@ -5,7 +5,8 @@ that must not be loaded is logged and skipped, and the next good one is loaded. 
 ``--rollout`` it also samples from the version it loaded and pushes scored batches to the
 trainer (see :mod:`weightcast.local.rollout`), keeping at most ``rollout.max_pending`` of them
 queued. With ``--vllm-url`` it keeps a running ``vllm serve`` on the newest version instead
-(:mod:`weightcast.client.vllm.server_node`).
+(:mod:`weightcast.client.vllm.server_node`), with ``--sglang-url`` an SGLang server
+(:mod:`weightcast.client.sglang.server_node`).
 
 It rides out Redis outages and a full Redis (``common.redis_retry_seconds``; retries with
 capped exponential back-off, then one clear error) and serves ``/healthz`` on
@@ -28,8 +29,17 @@ log = get_logger("follow")
 
 def run_follow(config: Config) -> int:
     cfg = config.follow
-    if cfg.vllm_url and cfg.rollout:
-        raise ConfigError("--vllm-url and --rollout exclude each other: choose one node kind")
+    kinds = [
+        flag
+        for flag, on in (
+            ("--vllm-url", cfg.vllm_url),
+            ("--sglang-url", cfg.sglang_url),
+            ("--rollout", cfg.rollout),
+        )
+        if on
+    ]
+    if len(kinds) > 1:
+        raise ConfigError(f"{' and '.join(kinds)} exclude each other: choose one node kind")
     client = WeightsClient(
         config.common.redis_url,
         config.common.weights_location(),
@@ -47,6 +57,10 @@ def run_follow(config: Config) -> int:
         from weightcast.client.vllm.server_node import server_node
 
         node = server_node(config, client)
+    elif cfg.sglang_url:
+        from weightcast.client.sglang.server_node import sglang_server_node
+
+        node = sglang_server_node(config, client)
     else:
         node = plain = Node(client, report_every=cfg.poll_seconds)
     outage = Outage(budget=config.common.redis_retry_seconds)
@@ -56,10 +70,11 @@ def run_follow(config: Config) -> int:
         node_id=client.node_id,
         weights=client.reader.store.label,
         vllm_url=cfg.vllm_url or None,
+        sglang_url=cfg.sglang_url or None,
         healthz=server.port if server else "off",
     )
     try:
-        if cfg.rollout:  # a plain node: --vllm-url and --rollout exclude each other
+        if cfg.rollout:  # a plain node: --rollout excludes the engine URLs
             from weightcast.local.rollout import run_rollout_node
 
             return run_rollout_node(config, plain, stop, outage)

@@ -46,8 +46,9 @@ class LoadedVersion:
 
 
 class Follower(Protocol):
-    """What ``weightcast follow`` drives, whichever kind of node it runs (:class:`Node`, or
-    :class:`~weightcast.client.vllm.server_node.ServerNode` for ``--vllm-url``)."""
+    """What ``weightcast follow`` drives, whichever kind of node it runs (:class:`Node`,
+    :class:`~weightcast.client.vllm.server_node.ServerNode` for ``--vllm-url``, or
+    :class:`~weightcast.client.sglang.server_node.SglangServerNode` for ``--sglang-url``)."""
 
     client: WeightsClient
 

@@ -14,6 +14,7 @@ from typing import ClassVar
 from weightcast.runtime.spec import metrics_port, setting
 
 PAUSE_MODES = ("wait", "abort")
+SGLANG_PAUSE_MODES = ("wait", "abort", "retract", "in_place")
 
 
 @dataclass
@@ -78,4 +79,25 @@ class FollowConfig:
         "ends them; either way its KV cache (old weights) is cleared",
         flag="--vllm-pause-mode",
         choices=PAUSE_MODES,
+    )
+    sglang_url: str = setting(
+        "",
+        "keep the SGLang server at this URL (on this host) on the newest version instead of "
+        "loading versions here",
+        flag="--sglang-url",
+        pattern=re.compile(r"^(https?://\S+)?$"),
+        pattern_text="empty, or an http:// or https:// URL",
+    )
+    sglang_timeout_seconds: float = setting(
+        600.0,
+        "longest wait for one call to the SGLang server",
+        flag="--sglang-timeout-seconds",
+        gt=0,
+    )
+    sglang_pause_mode: str = setting(
+        "wait",
+        "how the SGLang server pauses for an update: wait (no pause; the update runs between "
+        "two scheduler steps), or SGLang's abort, retract, in_place",
+        flag="--sglang-pause-mode",
+        choices=SGLANG_PAUSE_MODES,
     )

@@ -13,22 +13,11 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Protocol
 
-from weightcast.client.vllm.protocol import REFUSED
-from weightcast.contract.errors import WeightcastError
-
-
-class EngineError(WeightcastError):
-    """A step of a weight update failed; the engine was resumed on the version it had."""
-
-
-class VersionRefused(EngineError):
-    """The backend refused the version itself (it does not fit the engine) and touched no
-    parameter: not worth trying again, unlike the engine's own failures."""
-
-
-class ServerUnavailable(EngineError):
-    """The vLLM server did not answer (down, restarting, or not started yet)."""
-
+# The engine-neutral errors, named here too for the vLLM drivers and their callers.
+from weightcast.client.engine import REFUSED
+from weightcast.client.engine import EngineError as EngineError
+from weightcast.client.engine import ServerUnavailable as ServerUnavailable
+from weightcast.client.engine import VersionRefused as VersionRefused
 
 ENGINE_REPLIES: dict[str, type[EngineError]] = {REFUSED: VersionRefused}
 """What the backend writes into its error -> the error's type. vLLM passes a worker's error

@@ -18,12 +18,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from weightcast.client.engine import REFUSED as REFUSED  # the backend's refusals
 from weightcast.client.identity import default_node_id
 from weightcast.runtime.config import Config
 
-REFUSED = "refused, no parameter touched"
-"""In the error of an update the backend refused: the version does not fit the engine, which
-still serves what it served (any other error is the engine's, not the version's)."""
 LOAD_MODES = ("auto", "inplace", "layerwise")
 """``inplace``: copy each rank part into the live parameter (the engine must keep
 checkpoint-format parameters); ``layerwise``: vLLM's layerwise reload (any platform or

@@ -1,0 +1,105 @@
+"""A ``python -m sglang.launch_server`` over HTTP as an
+:class:`~weightcast.client.sglang.engine.SglangEngine`.
+
+SGLang's ``/update_weights_from_tensor`` takes the tensors as SGLang's own
+``MultiprocessingSerializer`` pickles them: handles to shared memory, not the bytes. So the
+driver must run on the server's host (its tensors' shared memory is what the server maps),
+and it needs SGLang installed (imported here lazily, at the first update). The tensors go into
+shared memory by file name (torch's ``file_system`` sharing strategy): a descriptor passed
+through multiprocessing's resource sharer authenticates with the sending process's key, which
+an unrelated server process does not hold.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import torch
+
+from weightcast.client.engine import EngineError, ServerUnavailable
+from weightcast.client.sglang.engine import PAUSE_MODES
+from weightcast.runtime.logs import get_logger
+
+log = get_logger("sglang")
+
+
+class SglangServer:
+    """An SGLang server's update routes (``/begin_weight_update``, ...) over HTTP."""
+
+    def __init__(self, url: str, timeout: float, pause_mode: str = "wait") -> None:
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.pause_mode = pause_mode
+
+    def call(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
+        """One request; the JSON reply. :class:`EngineError` with SGLang's message for an
+        error status or ``"success": false``, :class:`ServerUnavailable` when nothing
+        answers."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(
+            self.url + route, data, {"Content-Type": "application/json"}, method=method
+        )
+        log.debug("sglang request", route=route)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                answer = json.loads(reply.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            text = exc.read().decode(errors="replace")
+            with_message = _message(text)
+            raise EngineError(f"{method} {route}: HTTP {exc.code}: {with_message}") from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ServerUnavailable(f"{method} {route}: {self.url} unreachable: {reason}") from None
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise EngineError(f"{method} {route}: {answer.get('message')}")
+        return answer
+
+    def model_info(self) -> dict[str, Any]:
+        return dict(self.call("GET", "/model_info"))
+
+    def weight_version(self) -> str:
+        return str(self.model_info()["weight_version"])
+
+    def pause(self) -> None:
+        if self.pause_mode != "wait":
+            self.call("POST", "/pause_generation", {"mode": self.pause_mode})
+
+    def begin_weight_update(self) -> None:
+        self.call("POST", "/begin_weight_update", {})
+
+    def update_weights_from_tensor(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        payload = MultiprocessingSerializer.serialize(tensors, output_str=True)
+        ranks = int(self.call("GET", "/get_server_info").get("tp_size", 1))
+        body = {"serialized_named_tensors": [payload] * ranks, "flush_cache": True}
+        self.call("POST", "/update_weights_from_tensor", body)
+
+    def end_weight_update(self) -> None:
+        self.call("POST", "/end_weight_update", {})
+
+    def update_weight_version(self, version: str) -> None:
+        body = {"new_version": version, "abort_all_requests": False}
+        self.call("POST", "/update_weight_version", body)
+
+    def resume(self) -> None:
+        if self.pause_mode != "wait":
+            self.call("POST", "/continue_generation", {})
+
+
+def _message(text: str) -> str:
+    """SGLang's error message out of an error reply's body."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text[:500]
+    if isinstance(body, dict):
+        detail = body.get("message", body.get("error", body))
+        return str(detail.get("message", detail) if isinstance(detail, dict) else detail)
+    return str(body)

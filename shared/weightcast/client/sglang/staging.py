@@ -1,0 +1,69 @@
+"""Lease, verify and read a version for an SGLang engine, before SGLang sees any of it.
+
+SGLang's loaders take whole Hugging Face tensors (each tensor-parallel rank narrows to its own
+share), so an SGLang node reads versions of the ``hf`` layout. A version fused for vLLM, of
+another model, or with a block that fails its digest is refused here, with the reason and what
+to publish instead; nothing has reached the engine then.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from weightcast.client.engine import REFUSED, VersionRefused
+from weightcast.client.weights import WeightsClient
+from weightcast.contract.errors import LayoutError, WeightsError
+from weightcast.contract.layout import LAYOUT_HF
+from weightcast.contract.model_shape import ModelShape
+from weightcast.contract.version_info import VersionInfo
+
+
+@dataclass(frozen=True)
+class StagedVersion:
+    """A version, verified and in host memory, not yet in the engine."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    read_seconds: float
+    via: str
+    """``full``, ``delta`` or ``chain`` (rebuilt from the node's host base)."""
+    read_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def stage(client: WeightsClient, info: VersionInfo, engine_shape: ModelShape) -> StagedVersion:
+    """Read the version of ``info`` (leased by the caller) for an engine of ``engine_shape``,
+    every block verified.
+
+    Raises :class:`VersionRefused` for a version this engine must not load (the message says
+    why and what to publish instead).
+    """
+    start = time.perf_counter()
+    version = info.version
+    try:
+        manifest = client.manifest(info)
+        if manifest.layout != LAYOUT_HF:
+            raise WeightsError(
+                f"version {version} is laid out for vLLM ({manifest.layout}, tp={manifest.tp}); "
+                "SGLang loads whole HF tensors: publish with --layout hf"
+            )
+        try:
+            shape = ModelShape.from_hf_config(client.config(info))
+        except LayoutError as exc:
+            raise WeightsError(f"version {version}: {exc}") from None
+        if shape != engine_shape:
+            raise WeightsError(
+                f"version {version} is a different model ({shape}) from the engine's "
+                f"({engine_shape})"
+            )
+        tensors = client.load(info)
+    except WeightsError as exc:
+        raise VersionRefused(f"version {version} {REFUSED}: {type(exc).__name__}: {exc}") from exc
+    stats = client.reader.stats
+    return StagedVersion(version, tensors, time.perf_counter() - start, stats.via, stats.bytes_read)
