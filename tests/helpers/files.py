@@ -1,4 +1,5 @@
-"""The repository's root, a size-capped tmpfs, and a watch on which files a process opens."""
+"""The repository's root, a size-capped tmpfs, a watch on which files a process opens, and
+small version directories written by hand."""
 
 from __future__ import annotations
 
@@ -11,6 +12,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+
+VERSION_FILES = {
+    "model.vllm-fused": b"w" * 10,
+    "config.json": b"{}",
+    "manifest.json": b'{"m": 1}',
+    "delta-from-v1.xor-zstd": b"d",
+}
+"""A version directory's files in name and size only (a store moves them; nothing parses them)."""
+
+
+def version_dir(root: Path, name: str, files: dict[str, bytes] = VERSION_FILES) -> Path:
+    """``root/name`` holding ``files``."""
+    path = root / name
+    path.mkdir(parents=True)
+    for file, data in files.items():
+        (path / file).write_bytes(data)
+    return path
 
 
 @contextlib.contextmanager

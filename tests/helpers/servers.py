@@ -13,7 +13,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 def free_port() -> int:
@@ -62,6 +62,19 @@ class EngineServer:
                 return
             time.sleep(0.5)
         raise AssertionError(f"{self.argv()[2]} not ready after {timeout}s\n{self.tail()}")
+
+    def __enter__(self) -> Self:
+        """Started and ready to answer (stopped if it never is)."""
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

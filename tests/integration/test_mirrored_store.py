@@ -19,25 +19,12 @@ from weightcast.store.factory import publisher_store
 from weightcast.store.mirror import MirroredStore
 from weightcast.store.s3 import PART_BYTES, S3Store
 
+from helpers.files import VERSION_FILES as FILES
+from helpers.files import version_dir
 from helpers.s3 import s3_client
 
 WEIGHTS = "model.vllm-fused"
 pytestmark = pytest.mark.usefixtures("s3_env")  # the server's keys in the environment
-
-FILES = {
-    WEIGHTS: b"w" * 10,
-    "config.json": b"{}",
-    MANIFEST_NAME: b'{"m": 1}',
-    "delta-from-v1.xor-zstd": b"d",
-}
-
-
-def version(root: Path, name: str, files: dict[str, bytes]) -> Path:
-    path = root / name
-    path.mkdir(parents=True)
-    for file, data in files.items():
-        (path / file).write_bytes(data)
-    return path
 
 
 @pytest.fixture
@@ -96,11 +83,11 @@ def test_a_version_is_removed_and_trimmed_in_the_bucket_first(
     weights_dir = mirrored.local.root
     for name in ("v1", "v2"):
         mirrored.remote.begin_version(name).finish(
-            version(weights_dir.parent / "elsewhere", name, FILES)
+            version_dir(weights_dir.parent / "elsewhere", name, FILES)
         )
-    version(weights_dir, "v2", FILES)
-    version(weights_dir, "v3", FILES)
-    version(weights_dir, ".tmp-v4", FILES)
+    version_dir(weights_dir, "v2", FILES)
+    version_dir(weights_dir, "v3", FILES)
+    version_dir(weights_dir, ".tmp-v4", FILES)
     assert mirrored.version_names() == ["v1", "v2", "v3"]
     assert mirrored.remove_unfinished()[0] == ".tmp-v4"
 
@@ -123,7 +110,7 @@ def test_a_live_version_the_bucket_lost_is_restored_from_the_directory(
     mirrored: MirroredStore, s3_server: S3Server, s3_bucket: str
 ) -> None:
     weights_dir = mirrored.local.root
-    local = version(weights_dir, "v3", FILES)
+    local = version_dir(weights_dir, "v3", FILES)
     registered = sha256_bytes(FILES[MANIFEST_NAME])
     s3_client(s3_server).put_object(Bucket=s3_bucket, Key=f"run/v3/{WEIGHTS}", Body=b"half")
     assert mirrored.restore_version("v3", local, registered) == RESTORED

@@ -129,15 +129,3 @@ class Server(EngineServer):
 
     def weight_version(self) -> str:
         return str(self.call("GET", "/model_info")["weight_version"])
-
-
-@contextlib.contextmanager
-def serving(model: Path, log_path: Path) -> Iterator[Server]:
-    """A :class:`Server` from ``model``'s HF directory, ready to answer; stopped after."""
-    server = Server(model, log_path)
-    server.start()
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()

@@ -19,7 +19,7 @@ from conftest import HF_WEIGHTS, TINY
 from helpers.follower import Follower
 from helpers.processes import wait_for
 from helpers.registry import Registry, Versions, flip_byte
-from sglang_helpers import Server, greedy, serving
+from sglang_helpers import Server, greedy
 
 NODE = "sg-serve"
 
@@ -31,7 +31,7 @@ def served(
     """A server started from A's directory, and a registry of its own (the newest version is
     the one each test publishes)."""
     registry = Registry(redis_server.url, "sg-serve", tmp_path_factory.mktemp("serve"))
-    with serving(tiny.path("A"), tmp_path_factory.mktemp("server") / "server.log") as server:
+    with Server(tiny.path("A"), tmp_path_factory.mktemp("server") / "server.log") as server:
         yield server, registry
 
 

@@ -10,8 +10,8 @@ import pkgutil
 import pytest
 import redis
 
-from weightcast.client.vllm.engine import EngineError, VersionRefused, engine_error
-from weightcast.client.vllm.protocol import REFUSED
+from weightcast.client.engine import REFUSED, EngineError, VersionRefused
+from weightcast.client.vllm.engine import engine_error
 from weightcast.contract.errors import (
     RedisAccessDenied,
     RedisFull,

@@ -13,28 +13,15 @@ from weightcast.store.base import HELD
 from weightcast.store.directory import DirectoryStore
 from weightcast.store.factory import publisher_store
 
-
-def version(root: Path, name: str, files: dict[str, bytes]) -> Path:
-    path = root / name
-    path.mkdir(parents=True)
-    for file, data in files.items():
-        (path / file).write_bytes(data)
-    return path
-
-
-FILES = {
-    "model.vllm-fused": b"w" * 10,
-    "config.json": b"{}",
-    MANIFEST_NAME: b'{"m": 1}',
-    "delta-from-v1.xor-zstd": b"d",
-}
+from helpers.files import VERSION_FILES as FILES
+from helpers.files import version_dir
 
 
 def test_the_directory_lists_removes_and_trims_its_versions(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
-    version(tmp_path, "v1", FILES)
-    version(tmp_path, "v2", FILES)
-    version(tmp_path, "v1.bak", FILES)
+    version_dir(tmp_path, "v1", FILES)
+    version_dir(tmp_path, "v2", FILES)
+    version_dir(tmp_path, "v1.bak", FILES)
     assert store.version_names() == ["v1", "v2"]
     keep = {MANIFEST_NAME, "config.json", "delta-from-v1.xor-zstd"}
     store.trim_version("v2", keep)
@@ -51,10 +38,10 @@ def test_the_directory_lists_removes_and_trims_its_versions(tmp_path: Path) -> N
 
 def test_the_directory_sweeps_what_an_interrupted_write_left(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
-    version(tmp_path, ".tmp-v3", FILES)
-    version(tmp_path, ".tmp-v2-delta-only", FILES)
-    version(tmp_path, ".trash-v1-123", FILES)
-    version(tmp_path, "v2", FILES)
+    version_dir(tmp_path, ".tmp-v3", FILES)
+    version_dir(tmp_path, ".tmp-v2-delta-only", FILES)
+    version_dir(tmp_path, ".trash-v1-123", FILES)
+    version_dir(tmp_path, "v2", FILES)
     assert sorted(store.remove_unfinished()) == [".tmp-v2-delta-only", ".tmp-v3", ".trash-v1-123"]
     assert [p.name for p in tmp_path.iterdir()] == ["v2"]
 
@@ -90,7 +77,7 @@ def test_an_aborted_or_failed_write_leaves_nothing(tmp_path: Path) -> None:
     aborted.abort()
     failed = store.begin_version("v3")
     (failed.directory / MANIFEST_NAME).write_bytes(b"{}")
-    version(tmp_path, "v3", FILES)  # the rename cannot replace a full directory
+    version_dir(tmp_path, "v3", FILES)  # the rename cannot replace a full directory
     with pytest.raises(OSError):
         failed.finish(failed.directory)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v3"]

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import redis
 
-from weightcast.client.vllm.engine import EngineError, swap
+from weightcast.client.engine import REFUSED, EngineError
+from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.local_engine import LocalEngine
-from weightcast.client.vllm.protocol import REFUSED
 from weightcast.contract.layout import FUSED_WEIGHTS_FILE, fused_rank_file
 from weightcast.contract.manifest import MANIFEST_NAME, sha256_bytes
 from weightcast.local.redis_server import RedisServer

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from weightcast.client.vllm.engine import EngineError, swap
+from weightcast.client.engine import EngineError
+from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.local_engine import LocalEngine
 
 from conftest import Versions, assert_refused_and_unchanged

@@ -26,7 +26,7 @@ from conftest import Versions
 from helpers.files import REPO
 from helpers.models import checkpoint_tensors, save_pretrained_qwen3
 from helpers.processes import wait_for
-from vllm_helpers import TINY, Follower, Registry, Server, serving
+from vllm_helpers import TINY, Follower, Registry, Server
 
 NODE = "serve-node"
 
@@ -49,7 +49,7 @@ def node_record(registry: Registry) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def server(tiny: Versions, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """``vllm serve`` started from version A's HF layout, with the weightcast backend."""
-    with serving(tiny.hf_dir("A"), tmp_path_factory.mktemp("serve") / "serve.log") as server:
+    with Server(tiny.hf_dir("A"), tmp_path_factory.mktemp("serve") / "serve.log") as server:
         yield server
 
 

@@ -234,18 +234,6 @@ class Server(EngineServer):
         return results
 
 
-@contextlib.contextmanager
-def serving(model: Path, log_path: Path) -> Iterator[Server]:
-    """A :class:`Server` from ``model``'s HF directory, ready to answer; stopped after."""
-    server = Server(model, log_path)
-    server.start()
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
-
-
 def worker_resources(worker: Any) -> dict[str, int]:
     """A vLLM worker's threads, files, sockets and memory (``collective_rpc`` it)."""
     from helpers.processes import process_resources

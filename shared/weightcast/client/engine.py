@@ -8,7 +8,14 @@ does not answer the same way whatever the engine.
 
 from __future__ import annotations
 
-from weightcast.contract.errors import WeightcastError
+from typing import TYPE_CHECKING
+
+from weightcast.contract.errors import LayoutError, WeightcastError, WeightsError
+from weightcast.contract.model_shape import ModelShape
+from weightcast.contract.version_info import VersionInfo
+
+if TYPE_CHECKING:
+    from weightcast.client.weights import WeightsClient
 
 REFUSED = "refused, no parameter touched"
 """In the error of an update that was refused: the version does not fit the engine, which
@@ -26,3 +33,17 @@ class VersionRefused(EngineError):
 
 class ServerUnavailable(EngineError):
     """The engine's server did not answer (down, restarting, or not started yet)."""
+
+
+def check_engine_model(client: WeightsClient, info: VersionInfo, engine_shape: ModelShape) -> None:
+    """Refuse (a WeightsError) a version whose ``config.json`` is not the engine's model: an
+    engine can load weights only of the shape it was built for."""
+    try:
+        shape = ModelShape.from_hf_config(client.config(info))
+    except LayoutError as exc:
+        raise WeightsError(f"version {info.version}: {exc}") from None
+    if shape != engine_shape:
+        raise WeightsError(
+            f"version {info.version} is a different model ({shape}) from the engine's "
+            f"({engine_shape})"
+        )

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
+from weightcast.client.engine import EngineError
 from weightcast.client.node import Node
-from weightcast.client.vllm.engine import EngineError, swap
+from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.local_engine import LocalEngine
 from weightcast.contract.errors import ConfigError, VersionGone, WeightsError
 from weightcast.contract.model_shape import ModelShape

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from weightcast.client.engine import REFUSED as REFUSED_REPLY
 from weightcast.client.vllm.engine import swap
-from weightcast.client.vllm.protocol import REFUSED as REFUSED_REPLY
 from weightcast.client.vllm.server import VllmServer
 
 from helpers.processes import wait_for
 from helpers.realsize import REFUSED, WALK, RealSizeVersions
-from vllm_helpers import Follower, Server, serving
+from vllm_helpers import Follower, Server
 from walks import FreshOutputs, fresh_of, registry_of
 
 NODE = "realsize-serve"
@@ -46,7 +46,7 @@ def server(
 ) -> Iterator[Server]:
     """``vllm serve`` started from version 1's HF directory; its workers read the bucket
     (the S3 client environment ``helpers.realsize.published`` set)."""
-    with serving(realsize.hf_dirs[1], tmp_path_factory.mktemp("serve") / "serve.log") as server:
+    with Server(realsize.hf_dirs[1], tmp_path_factory.mktemp("serve") / "serve.log") as server:
         yield server
 
 

@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from weightcast.client.vllm.engine import EngineError, swap
+from weightcast.client.engine import REFUSED as REFUSED_REPLY
+from weightcast.client.engine import EngineError
+from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.local_engine import LocalEngine
-from weightcast.client.vllm.protocol import REFUSED as REFUSED_REPLY
 
 from helpers.realsize import REFUSED, SERVED, WALK, RealSizeVersions
 from vllm_helpers import Registry, greedy

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightcast.client.engine import REFUSED, VersionRefused
+from weightcast.client.engine import REFUSED, VersionRefused, check_engine_model
 from weightcast.client.weights import WeightsClient
-from weightcast.contract.errors import LayoutError, WeightsError
+from weightcast.contract.errors import WeightsError
 from weightcast.contract.layout import LAYOUT_HF
 from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.version_info import VersionInfo
@@ -53,15 +53,7 @@ def stage(client: WeightsClient, info: VersionInfo, engine_shape: ModelShape) ->
                 f"version {version} is laid out for vLLM ({manifest.layout}, tp={manifest.tp}); "
                 "SGLang loads whole HF tensors: publish with --layout hf"
             )
-        try:
-            shape = ModelShape.from_hf_config(client.config(info))
-        except LayoutError as exc:
-            raise WeightsError(f"version {version}: {exc}") from None
-        if shape != engine_shape:
-            raise WeightsError(
-                f"version {version} is a different model ({shape}) from the engine's "
-                f"({engine_shape})"
-            )
+        check_engine_model(client, info, engine_shape)
         tensors = client.load(info)
     except WeightsError as exc:
         raise VersionRefused(f"version {version} {REFUSED}: {type(exc).__name__}: {exc}") from exc

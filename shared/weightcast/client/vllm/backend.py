@@ -52,9 +52,10 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.logger import init_logger
 
+from weightcast.client.engine import REFUSED
 from weightcast.client.vllm.inplace import InPlaceCopier
 from weightcast.client.vllm.placement import hf_tensors, packed_name
-from weightcast.client.vllm.protocol import REFUSED, InitInfo, ResolvedLocation, UpdateInfo, resolve
+from weightcast.client.vllm.protocol import InitInfo, ResolvedLocation, UpdateInfo, resolve
 from weightcast.client.vllm.staging import RankReader, StagedVersion
 from weightcast.contract.errors import WeightsError
 from weightcast.contract.layout import LAYOUT_HF

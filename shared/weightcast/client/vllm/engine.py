@@ -13,11 +13,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Protocol
 
-# The engine-neutral errors, named here too for the vLLM drivers and their callers.
-from weightcast.client.engine import REFUSED
-from weightcast.client.engine import EngineError as EngineError
-from weightcast.client.engine import ServerUnavailable as ServerUnavailable
-from weightcast.client.engine import VersionRefused as VersionRefused
+from weightcast.client.engine import REFUSED, EngineError, VersionRefused
 
 ENGINE_REPLIES: dict[str, type[EngineError]] = {REFUSED: VersionRefused}
 """What the backend writes into its error -> the error's type. vLLM passes a worker's error

@@ -18,7 +18,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from weightcast.client.engine import REFUSED as REFUSED  # the backend's refusals
 from weightcast.client.identity import default_node_id
 from weightcast.runtime.config import Config
 

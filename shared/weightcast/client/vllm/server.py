@@ -8,7 +8,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from weightcast.client.vllm.engine import ServerUnavailable, engine_error
+from weightcast.client.engine import ServerUnavailable
+from weightcast.client.vllm.engine import engine_error
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("vllm")

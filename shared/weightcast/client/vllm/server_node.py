@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightcast.client.vllm.engine import EngineError, ServerUnavailable, VersionRefused, swap
+from weightcast.client.engine import EngineError, ServerUnavailable, VersionRefused
+from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.server import VllmServer
 from weightcast.client.weights import VersionGone, WeightsClient
 from weightcast.contract.errors import ConfigError

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightcast.client.engine import check_engine_model
 from weightcast.client.vllm.protocol import ResolvedLocation
 from weightcast.client.weights import WeightsClient
 from weightcast.contract.errors import LayoutError, WeightsError
@@ -95,15 +96,7 @@ class RankReader:
         client = self.client
         with client.lease(version) as info:
             manifest = client.manifest(info)
-            try:
-                shape = ModelShape.from_hf_config(client.config(info))
-            except LayoutError as exc:
-                raise WeightsError(f"version {version}: {exc}") from None
-            if shape != engine_shape:
-                raise WeightsError(
-                    f"version {version} is a different model ({shape}) from the engine's "
-                    f"({engine_shape})"
-                )
+            check_engine_model(client, info, engine_shape)
             if manifest.layout == LAYOUT_HF:
                 # Whole HF tensors: vLLM's loaders take the rank's share themselves.
                 parts = [RankPart(n, t, Shard(ShardKind.HF)) for n, t in client.load(info).items()]
