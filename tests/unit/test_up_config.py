@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from weightcast.cli.main import build_parser
-from weightcast.local.up import trainer_args
+from weightcast.contract.errors import ConfigError
+from weightcast.local.sglang_rollout import fp8_engine_refusal as sglang_fp8_refusal
+from weightcast.local.up import check_sglang_layout, publisher_args, trainer_args
 from weightcast.local.vllm_rollout import fp8_engine_refusal
 from weightcast.runtime.config import Config
 from weightcast.runtime.settings import flag_overrides, load_config
@@ -44,3 +48,29 @@ def test_an_fp8_vllm_engine_is_refused_only_where_vllm_cannot_build_one() -> Non
     assert refusal is not None and "amx_tile" in refusal and "--engine transformers" in refusal
     assert fp8_engine_refusal({"avx512f", "amx_tile", "amx_bf16"}, gpu=False) is None
     assert fp8_engine_refusal(set(), gpu=True) is None
+
+
+def test_an_fp8_sglang_engine_is_refused_only_where_sglang_can_build_none() -> None:
+    """SGLang's block-FP8 layers on a CPU need AMX tiles."""
+    refusal = sglang_fp8_refusal({"avx2", "avx512f"}, gpu=False)
+    assert refusal is not None and "--engine sglang" in refusal and "amx_tile" in refusal
+    assert "--engine transformers" in refusal and "\n" not in refusal
+    assert sglang_fp8_refusal({"amx_tile"}, gpu=False) is None
+    assert sglang_fp8_refusal(set(), gpu=True) is None
+
+
+def test_up_with_sglang_publishes_the_hf_layout_and_refuses_vllm_fused(tmp_path: Path) -> None:
+    """SGLang loads whole HF tensors: ``up --engine sglang`` publishes ``hf`` unless the user
+    set ``publisher.layout`` to ``hf`` or ``both``; ``vllm-fused`` is refused in one line."""
+    engine = {"rollout.engine": "sglang"}
+    assert publisher_args(load_config(env={})) == []
+    assert publisher_args(load_config(env={}, overrides=engine)) == ["--layout", "hf"]
+    both = load_config(env={}, overrides={**engine, "publisher.layout": "both"})
+    check_sglang_layout(both)
+    assert publisher_args(both) == ["--layout", "both"]
+    user = tmp_path / "user.toml"
+    user.write_text('[publisher]\nlayout = "vllm-fused"\n')
+    fused = load_config(user, env={}, overrides=engine)
+    with pytest.raises(ConfigError, match="--engine sglang loads the hf layout") as refused:
+        check_sglang_layout(fused)
+    assert "\n" not in str(refused.value)

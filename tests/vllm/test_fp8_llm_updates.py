@@ -26,7 +26,7 @@ import pytest
 
 from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.local_engine import LocalEngine
-from weightcast.local.vllm_rollout import cpu_flags
+from weightcast.local.engine_rollout import cpu_flags
 
 from conftest import Versions
 from vllm_helpers import FP8_MODEL, Registry, backend_engine, greedy, in_process, random_state

@@ -285,6 +285,10 @@ def run_rollout_node(config: Config, node: Node, stop: Stop, outage: Outage) -> 
         from weightcast.local.vllm_rollout import VllmPolicies
 
         refresh = VllmPolicies(config, node).refresh
+    elif cfg.engine == "sglang":
+        from weightcast.local.sglang_rollout import SglangPolicies
+
+        refresh = SglangPolicies(config, node).refresh
 
     def push(rollout: Rollout, version: int) -> str:
         return producer.push(rollout.tensors, version, reward=rollout.reward)

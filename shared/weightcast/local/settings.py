@@ -13,7 +13,7 @@ from typing import ClassVar
 
 from weightcast.runtime.spec import setting
 
-ROLLOUT_ENGINES = ("transformers", "vllm")
+ROLLOUT_ENGINES = ("transformers", "vllm", "sglang")
 UP_WORKDIR = Path(".weightcast/runs")
 UP_STORES = ("directory", "s3")
 
@@ -92,7 +92,8 @@ class RolloutConfig:
     engine: str = setting(
         "transformers",
         "what the rollout node samples with: transformers (fp32, in the node's process) or "
-        "vllm (a vLLM engine on CPU or GPU, updated through the weightcast backend)",
+        "vllm (a vLLM engine on CPU or GPU, updated through the weightcast backend) or sglang (an "
+        "SGLang engine, updated through its weight-update API; up then publishes the hf layout)",
         flag="--engine",
         commands=("up", "follow"),
         choices=ROLLOUT_ENGINES,
@@ -129,4 +130,10 @@ class UpConfig:
         "the Python that runs the rollout node with --engine vllm (vLLM and weightcast "
         "installed); empty means .venv-vllm/bin/python when it exists (make vllm-setup)",
         flag="--vllm-python",
+    )
+    sglang_python: str = setting(
+        "",
+        "the Python that runs the rollout node with --engine sglang (SGLang and weightcast "
+        "installed); empty means .venv-sglang/bin/python when it exists (make sglang-setup)",
+        flag="--sglang-python",
     )

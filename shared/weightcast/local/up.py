@@ -36,6 +36,7 @@ from weightcast.contract.events import Published, parse_event
 from weightcast.contract.fp8 import QUANTIZE_FP8
 from weightcast.contract.heartbeat import Heartbeat
 from weightcast.contract.keys import SNAPSHOT_SKIPPED, Keys
+from weightcast.contract.layout import LAYOUT_BOTH, LAYOUT_HF
 from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.nodes import NodeReport
 from weightcast.contract.untrusted import json_object
@@ -160,7 +161,7 @@ class Stack:
         run_dir: Path,
         redis_url: str,
         config_file: Path | None,
-        vllm_python: str = "",
+        follower_python: str = "",
         s3: S3Server | None = None,
     ) -> None:
         self.config = config
@@ -182,8 +183,11 @@ class Stack:
         """What ``up``'s settings make of its trainer's."""
         self.rollout_args = rollout_args(config)
         """What ``up``'s settings make of its rollout node's."""
-        self.vllm_python = vllm_python
-        """The Python of a rollout node that samples with vLLM; empty: transformers."""
+        self.follower_python = follower_python
+        """The Python of a rollout node that samples with vLLM or SGLang (``rollout.engine``,
+        in that engine's own venv); empty: transformers, in this Python."""
+        self.publisher_args = publisher_args(config)
+        """What ``up``'s settings make of its publisher's (``--engine sglang``: the hf layout)."""
         self.store_env: dict[str, str] = {}
         """What the publisher's and the node's S3 client need (``--store s3``): its keys."""
         self.store_args: list[str] = []
@@ -270,6 +274,7 @@ class Stack:
             [
                 "publisher",
                 *("--rescan-seconds", "1", "--quantize", self.config.publisher.quantize),
+                *self.publisher_args,
                 *self.store_args,
             ],
             env=self.store_env,
@@ -284,11 +289,11 @@ class Stack:
         )
         follower = ["follow", "--node-id", FOLLOWER_ID, "--rollout"]
         follower += [*self.rollout_args, *self.node_args]
-        if self.vllm_python:  # the rollouts come from a vLLM engine, in vLLM's own venv
+        if self.follower_python:  # the rollouts come from an engine, in its own venv
             self.start(
                 "follower",
-                [*follower, "--engine", "vllm"],
-                python=self.vllm_python,
+                [*follower, "--engine", self.config.rollout.engine],
+                python=self.follower_python,
                 env=self.store_env,
             )
         else:
@@ -370,6 +375,28 @@ def trainer_args(config: Config) -> list[str]:
     return args
 
 
+def publisher_args(config: Config) -> list[str]:
+    """The publisher's flags from ``up``'s settings: ``--engine sglang`` needs the ``hf``
+    layout (SGLang loads whole HF tensors), so ``up`` publishes it unless ``publisher.layout``
+    is set (``hf`` or ``both``: checked before anything starts)."""
+    if config.rollout.engine != "sglang":
+        return []
+    if "publisher.layout" in config.sources:
+        return ["--layout", config.publisher.layout]
+    return ["--layout", LAYOUT_HF]
+
+
+def check_sglang_layout(config: Config) -> None:
+    """``--engine sglang`` with a ``publisher.layout`` SGLang cannot load: refused."""
+    layout = config.publisher.layout
+    if "publisher.layout" in config.sources and layout not in (LAYOUT_HF, LAYOUT_BOTH):
+        raise ConfigError(
+            f"--engine sglang loads the hf layout, and publisher.layout is {layout} "
+            f"({config.sources['publisher.layout']}): set it to hf or both, or unset it (up "
+            "then publishes hf)"
+        )
+
+
 def rollout_args(config: Config) -> list[str]:
     """The rollout node's flags from ``up``'s settings: with ``--init-from``, the start's
     vocabulary for its uniform version 0 (read now: a start without one fails before
@@ -409,12 +436,20 @@ def run_up(config: Config, options: UpOptions) -> int:
     """Run the pipeline for ``up.steps`` training steps; the process exit code."""
     up = config.up
     follower_python = ""
+    fp8 = config.publisher.quantize == QUANTIZE_FP8
     if config.rollout.engine == "vllm":  # checked before anything starts
         from weightcast.local.vllm_rollout import fp8_engine_refusal_here, vllm_python
 
-        if config.publisher.quantize == QUANTIZE_FP8 and (refusal := fp8_engine_refusal_here()):
+        if fp8 and (refusal := fp8_engine_refusal_here()):
             raise ConfigError(refusal)
         follower_python = vllm_python(up)
+    elif config.rollout.engine == "sglang":
+        from weightcast.local import sglang_rollout
+
+        check_sglang_layout(config)
+        if fp8 and (refusal := sglang_rollout.fp8_engine_refusal_here()):
+            raise ConfigError(refusal)
+        follower_python = sglang_rollout.sglang_python(up)
     if up.store == "s3":
         check_weed()
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from weightcast.client.vllm.local_engine import LocalEngine
+from weightcast.local.engine_rollout import cpu_flags
 from weightcast.local.redis_server import RedisServer
 from weightcast.local.s3_server import S3Server
-from weightcast.local.vllm_rollout import cpu_flags
 
 from helpers.realsize import WIDE, RealSizeVersions, published
 from vllm_helpers import backend_engine, in_process
