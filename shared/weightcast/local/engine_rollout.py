@@ -5,17 +5,27 @@ newest version. Each engine's module (:mod:`~weightcast.local.vllm_rollout`,
 
 from __future__ import annotations
 
+import importlib
+import json
 import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from weightcast.client.engine import EngineError
 from weightcast.client.node import Node
 from weightcast.contract.errors import ConfigError, VersionGone, WeightsError
+from weightcast.contract.model_shape import ModelShape
 from weightcast.local.policy import Policy
+from weightcast.runtime.config import Config
 from weightcast.runtime.logs import get_logger
 
 log = get_logger("rollout")
+
+HF_ARCHITECTURE = "Qwen3ForCausalLM"
+"""What the engines build: a version's own config may name weightcast's fused architecture,
+which stock engines refuse on purpose; the engine is built as the plain model it is."""
 
 
 class EnginePolicy:
@@ -33,10 +43,43 @@ class EnginePolicies:
     and wrap it as a :class:`Policy`."""
 
     engine_name = ""
+    """The engine's module (``vllm``, ``sglang``), also its name in logs."""
+    engine_label = ""
+    """Its name in messages (``vLLM``, ``SGLang``)."""
+    venv_python = Path()
+    """The venv's Python that ``make <setup>`` builds in a checkout."""
+    setup = ""
+    """That make target (``vllm-setup``)."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, config: Config, node: Node) -> None:
+        try:
+            importlib.import_module(self.engine_name)
+        except ImportError:
+            raise ConfigError(
+                f"rollout.engine = {self.engine_name} needs {self.engine_label}, which this "
+                f"Python ({sys.executable}) lacks: run `make {self.setup}` and use "
+                f"{self.venv_python}"
+            ) from None
+        self.config = config
         self.node = node
         self.started = False
+        self.vocab_size = 0
+        self.model_dir = tempfile.TemporaryDirectory(prefix=f"weightcast-{self.engine_name}-")
+        """Holds the engine's ``config.json``; removed when the node exits."""
+
+    def engine_model(self, version: int) -> tuple[Path, dict[str, Any], ModelShape]:
+        """The directory an engine of ``version``'s model starts from (its ``config.json``,
+        the plain architecture's), that config and the model's shape; sets
+        :attr:`vocab_size`."""
+        with self.node.client.lease(version) as info:
+            config = self.node.client.config(info)
+        shape = ModelShape.from_hf_config(config)
+        self.vocab_size = shape.vocab_size
+        model = Path(self.model_dir.name)
+        (model / "config.json").write_text(
+            json.dumps({**config, "architectures": [HF_ARCHITECTURE]})
+        )
+        return model, config, shape
 
     def start_engine(self, version: int) -> None:
         raise NotImplementedError

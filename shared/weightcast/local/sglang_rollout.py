@@ -15,10 +15,7 @@ SGLang pins its own torch, so this runs in a Python of its own (``make sglang-se
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +25,6 @@ from weightcast.client.engine import EngineError
 from weightcast.client.node import Node
 from weightcast.client.sglang.engine import SglangNode
 from weightcast.client.sglang.local_engine import LocalSglangEngine
-from weightcast.contract.errors import ConfigError
-from weightcast.contract.model_shape import ModelShape
 from weightcast.local.engine_rollout import (
     EnginePolicies,
     EnginePolicy,
@@ -48,8 +43,6 @@ log = get_logger("rollout")
 
 SGLANG_VENV_PYTHON = Path(".venv-sglang/bin/python")
 """The SGLang venv ``make sglang-setup`` builds in a checkout (``up.sglang_python``'s default)."""
-
-HF_ARCHITECTURE = "Qwen3ForCausalLM"
 
 
 class SglangPolicy(EnginePolicy):
@@ -77,22 +70,14 @@ class SglangPolicies(EnginePolicies):
     """The SGLang engine on the newest version, started at the first one."""
 
     engine_name = "sglang"
+    engine_label = "SGLang"
+    venv_python = SGLANG_VENV_PYTHON
+    setup = "sglang-setup"
 
     def __init__(self, config: Config, node: Node) -> None:
-        try:
-            import sglang  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                f"rollout.engine = sglang needs SGLang, which this Python ({sys.executable}) "
-                f"lacks: run `make sglang-setup` and use {SGLANG_VENV_PYTHON}"
-            ) from None
-        super().__init__(node)
-        self.config = config
+        super().__init__(config, node)
         self.engine: Any = None
         self.sglang_node: SglangNode | None = None
-        self.vocab_size = 0
-        self.model_dir = tempfile.TemporaryDirectory(prefix="weightcast-sglang-")
-        """Holds the engine's ``config.json``; removed when the node exits."""
 
     def load(self, version: int) -> None:
         assert self.sglang_node is not None
@@ -109,14 +94,7 @@ class SglangPolicies(EnginePolicies):
         """An engine of the version's model, with placeholder weights (loaded right after)."""
         import sglang
 
-        with self.node.client.lease(version) as info:
-            config = self.node.client.config(info)
-        shape = ModelShape.from_hf_config(config)
-        self.vocab_size = shape.vocab_size
-        model = Path(self.model_dir.name)
-        (model / "config.json").write_text(
-            json.dumps({**config, "architectures": [HF_ARCHITECTURE]})
-        )
+        model, config, shape = self.engine_model(version)
         rollout = self.config.rollout
         batch = rollout.prompts * rollout.group_size
         args: dict[str, Any] = {

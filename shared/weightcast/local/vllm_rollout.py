@@ -13,9 +13,6 @@ vLLM pins its own torch, so this runs in a Python of its own (``make vllm-setup`
 
 from __future__ import annotations
 
-import json
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +21,6 @@ import torch
 from weightcast.client.node import Node
 from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.local_engine import LocalEngine
-from weightcast.contract.errors import ConfigError
-from weightcast.contract.model_shape import ModelShape
 from weightcast.local.engine_rollout import (
     EnginePolicies,
     EnginePolicy,
@@ -86,21 +81,13 @@ class VllmPolicies(EnginePolicies):
     """The vLLM engine on the newest version, started at the first one."""
 
     engine_name = "vllm"
+    engine_label = "vLLM"
+    venv_python = VLLM_VENV_PYTHON
+    setup = "vllm-setup"
 
     def __init__(self, config: Config, node: Node) -> None:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            raise ConfigError(
-                f"rollout.engine = vllm needs vLLM, which this Python ({sys.executable}) lacks: "
-                f"run `make vllm-setup` and use {VLLM_VENV_PYTHON}"
-            ) from None
-        super().__init__(node)
-        self.config = config
+        super().__init__(config, node)
         self.llm: Any = None
-        self.vocab_size = 0
-        self.model_dir = tempfile.TemporaryDirectory(prefix="weightcast-vllm-")
-        """Holds the engine's ``config.json``; removed when the node exits."""
 
     def load(self, version: int) -> None:
         swap(LocalEngine(self.llm), version)
@@ -114,16 +101,7 @@ class VllmPolicies(EnginePolicies):
 
         from vllm import LLM
 
-        with self.node.client.lease(version) as info:
-            config = self.node.client.config(info)
-        shape = ModelShape.from_hf_config(config)
-        self.vocab_size = shape.vocab_size
-        model = Path(self.model_dir.name)
-        # The version's config names weightcast's fused architecture, which stock vLLM
-        # refuses on purpose; the engine is built as the plain model it is.
-        (model / "config.json").write_text(
-            json.dumps({**config, "architectures": ["Qwen3ForCausalLM"]})
-        )
+        model, config, _ = self.engine_model(version)
         rollout = self.config.rollout
         self.llm = LLM(
             model=str(model),
