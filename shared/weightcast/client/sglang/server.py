@@ -12,18 +12,13 @@ an unrelated server process does not hold.
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from typing import Any
 
 import torch
 
-from weightcast.client.engine import EngineError, ServerUnavailable
+from weightcast.client.engine import EngineError
+from weightcast.client.engine_server import call_route
 from weightcast.client.sglang.engine import PAUSE_MODES
-from weightcast.runtime.logs import get_logger
-
-log = get_logger("sglang")
 
 
 class SglangServer:
@@ -40,21 +35,7 @@ class SglangServer:
         """One request; the JSON reply. :class:`EngineError` with SGLang's message for an
         error status or ``"success": false``, :class:`ServerUnavailable` when nothing
         answers."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + route, data, {"Content-Type": "application/json"}, method=method
-        )
-        log.debug("sglang request", route=route)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                answer = json.loads(reply.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            text = exc.read().decode(errors="replace")
-            with_message = _message(text)
-            raise EngineError(f"{method} {route}: HTTP {exc.code}: {with_message}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ServerUnavailable(f"{method} {route}: {self.url} unreachable: {reason}") from None
+        answer = call_route(self.url, method, route, body, timeout=self.timeout, engine="sglang")
         if isinstance(answer, dict) and answer.get("success") is False:
             raise EngineError(f"{method} {route}: {answer.get('message')}")
         return answer
@@ -91,15 +72,3 @@ class SglangServer:
     def resume(self) -> None:
         if self.pause_mode != "wait":
             self.call("POST", "/continue_generation", {})
-
-
-def _message(text: str) -> str:
-    """SGLang's error message out of an error reply's body."""
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text[:500]
-    if isinstance(body, dict):
-        detail = body.get("message", body.get("error", body))
-        return str(detail.get("message", detail) if isinstance(detail, dict) else detail)
-    return str(body)

@@ -3,16 +3,10 @@ as an :class:`~weightcast.client.vllm.engine.Engine`. vLLM itself is not importe
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from typing import Any
 
-from weightcast.client.engine import ServerUnavailable
+from weightcast.client.engine_server import call_route
 from weightcast.client.vllm.engine import engine_error
-from weightcast.runtime.logs import get_logger
-
-log = get_logger("vllm")
 
 
 class VllmServer:
@@ -26,19 +20,9 @@ class VllmServer:
     def call(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         """One request; the JSON reply. Raises :class:`EngineError` with vLLM's message for
         an error status, :class:`ServerUnavailable` when nothing answers."""
-        data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            self.url + route, data, {"Content-Type": "application/json"}, method=method
+        return call_route(
+            self.url, method, route, body, timeout=self.timeout, engine="vllm", error=engine_error
         )
-        log.debug("vllm request", route=route)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                return json.loads(reply.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            raise engine_error(f"{method} {route}: HTTP {exc.code}: {_message(exc)}") from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ServerUnavailable(f"{method} {route}: {self.url} unreachable: {reason}") from None
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.call("POST", "/init_weight_transfer_engine", {"init_info": init_info})
@@ -65,14 +49,3 @@ class VllmServer:
 
     def resume(self) -> None:
         self.call("POST", "/resume")
-
-
-def _message(error: urllib.error.HTTPError) -> str:
-    """vLLM's error message out of an error reply (``{"error": {"message": ...}}``)."""
-    text = error.read().decode(errors="replace")
-    try:
-        body = json.loads(text)
-    except ValueError:
-        return text[:500]
-    detail = body.get("error", body) if isinstance(body, dict) else body
-    return str(detail.get("message", detail) if isinstance(detail, dict) else detail)
