@@ -85,14 +85,15 @@ def fresh_outputs(
 @pytest.fixture(scope="session")
 def tiny(registry: Registry) -> Versions:
     """A, B, C in the ``hf`` layout (C's delta is from B), versions the engine must refuse (B
-    laid out for vLLM, another model, B with a corrupt block), and B-norm: B with one tensor
-    changed."""
+    laid out for vLLM, another model, B with a corrupt block, B quantized to block-FP8), and
+    B-norm: B with one tensor changed."""
     states = {name: random_state(TINY, seed) for seed, name in enumerate("ABC", start=1)}
     number = {name: registry.publish(TINY, states[name], layout="hf") for name in "ABC"}
     number["B-fused"] = registry.publish(TINY, states["B"])
     number["other-model"] = registry.publish(ODD_VOCAB, random_state(ODD_VOCAB, 9), layout="hf")
     number["B-corrupt"] = registry.publish(TINY, states["B"], layout="hf")
     flip_byte(registry.versions[number["B-corrupt"]] / HF_WEIGHTS)
+    number["B-fp8"] = registry.publish(TINY, states["B"], layout="hf", quantize="fp8")
     norm = "model.norm.weight"
     states["B-norm"] = {**states["B"], norm: states["B"][norm] * 2}
     number["B-norm"] = registry.publish(TINY, states["B-norm"], layout="hf")

@@ -4,10 +4,10 @@ SGLang engines.
 Versions come from the real publisher (``--layout hf``, with deltas). The engine under test
 starts from version A's directory and is moved through B (read whole), C (by delta from B),
 back to A, B again, a version that changes one tensor (only it handed to SGLang), and refused
-versions (laid out for vLLM, another model, a corrupt block); after each step its greedy
-tokens, their log-probabilities and the prompt's equal, exactly, those of an SGLang engine
-started fresh from the version it should serve, which it also reports (as ``weight_version``
-and in ``{wc}:nodes``).
+versions (laid out for vLLM, another model, a corrupt block, block-FP8); after each step its
+greedy tokens, their log-probabilities and the prompt's equal, exactly, those of an SGLang
+engine started fresh from the version it should serve, which it also reports (as
+``weight_version`` and in ``{wc}:nodes``).
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ def test_updates_equal_fresh_engines_exactly(
         ),
         ("other-model", r"WeightsError: version \d+ is a different model"),
         ("B-corrupt", r"WeightsError: .*model-00001-of-00001\.safetensors: .*do not match"),
+        (
+            "B-fp8",
+            r"WeightsError: version \d+ is quantized \(fp8\); weightcast's SGLang node loads "
+            r"bf16 versions only: publish without --quantize$",
+        ),
     ],
 )
 def test_a_refused_version_touches_nothing(

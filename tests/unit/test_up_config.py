@@ -8,8 +8,14 @@ import pytest
 
 from weightcast.cli.main import build_parser
 from weightcast.contract.errors import ConfigError
-from weightcast.local.sglang_rollout import fp8_engine_refusal as sglang_fp8_refusal
-from weightcast.local.up import check_sglang_layout, publisher_args, trainer_args
+from weightcast.local.sglang_rollout import FP8_REFUSAL as SGLANG_FP8_REFUSAL
+from weightcast.local.up import (
+    UpOptions,
+    check_sglang_layout,
+    publisher_args,
+    run_up,
+    trainer_args,
+)
 from weightcast.local.vllm_rollout import fp8_engine_refusal
 from weightcast.runtime.config import Config
 from weightcast.runtime.settings import flag_overrides, load_config
@@ -50,13 +56,14 @@ def test_an_fp8_vllm_engine_is_refused_only_where_vllm_cannot_build_one() -> Non
     assert fp8_engine_refusal(set(), gpu=True) is None
 
 
-def test_an_fp8_sglang_engine_is_refused_only_where_sglang_can_build_none() -> None:
-    """SGLang's block-FP8 layers on a CPU need AMX tiles."""
-    refusal = sglang_fp8_refusal({"avx2", "avx512f"}, gpu=False)
-    assert refusal is not None and "--engine sglang" in refusal and "amx_tile" in refusal
-    assert "--engine transformers" in refusal and "\n" not in refusal
-    assert sglang_fp8_refusal({"amx_tile"}, gpu=False) is None
-    assert sglang_fp8_refusal(set(), gpu=True) is None
+def test_up_with_sglang_refuses_fp8_in_one_line_naming_the_engines_to_use() -> None:
+    """The SGLang node loads bf16 versions only (tests/sglang: an FP8 version is refused)."""
+    fp8 = {"rollout.engine": "sglang", "publisher.quantize": "fp8"}
+    with pytest.raises(ConfigError) as refused:
+        run_up(load_config(env={}, overrides=fp8), UpOptions())
+    message = str(refused.value)
+    assert message == SGLANG_FP8_REFUSAL and "\n" not in message
+    assert "--engine vllm" in message and "--engine transformers" in message
 
 
 def test_up_with_sglang_publishes_the_hf_layout_and_refuses_vllm_fused(tmp_path: Path) -> None:

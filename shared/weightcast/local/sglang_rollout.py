@@ -28,9 +28,7 @@ from weightcast.client.sglang.local_engine import LocalSglangEngine
 from weightcast.local.engine_rollout import (
     EnginePolicies,
     EnginePolicy,
-    cpu_flags,
     engine_python,
-    fp8_refusal,
     gpu_here,
 )
 from weightcast.local.policy import Policy
@@ -120,15 +118,14 @@ class SglangPolicies(EnginePolicies):
         log.info("started an sglang engine", version=version, model=str(model))
 
 
-def fp8_engine_refusal(flags: set[str], gpu: bool) -> str | None:
-    """Why ``up --engine sglang --quantize fp8`` cannot run here, or None: SGLang's block-FP8
-    layers on a CPU need AMX (``Fp8LinearMethod on CPU requires that CPU has AMX support``)."""
-    return fp8_refusal("sglang", "SGLang's CPU FP8 layers need AMX tiles", flags, gpu)
-
-
-def fp8_engine_refusal_here() -> str | None:
-    """:func:`fp8_engine_refusal` for this machine."""
-    return fp8_engine_refusal(cpu_flags(), gpu_here())
+FP8_REFUSAL = (
+    "--quantize fp8 with --engine sglang: weightcast's SGLang node loads bf16 versions only "
+    "(an FP8 SGLang engine on a CPU needs AMX tiles, and its update path is untested); use "
+    "--engine vllm, or --engine transformers, which samples with the FP8 versions' dequantized "
+    "weights"
+)
+"""Why ``up --engine sglang --quantize fp8`` is refused on every machine (see
+:mod:`weightcast.client.sglang.staging`)."""
 
 
 def sglang_python(up: UpConfig) -> str:

@@ -447,8 +447,8 @@ def run_up(config: Config, options: UpOptions) -> int:
         from weightcast.local import sglang_rollout
 
         check_sglang_layout(config)
-        if fp8 and (refusal := sglang_rollout.fp8_engine_refusal_here()):
-            raise ConfigError(refusal)
+        if fp8:
+            raise ConfigError(sglang_rollout.FP8_REFUSAL)
         follower_python = sglang_rollout.sglang_python(up)
     if up.store == "s3":
         check_weed()

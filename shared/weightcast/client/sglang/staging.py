@@ -2,14 +2,19 @@
 
 SGLang's loaders take whole Hugging Face tensors (each tensor-parallel rank narrows to its own
 share), so an SGLang node reads versions of the ``hf`` layout. A version fused for vLLM, of
-another model, or with a block that fails its digest is refused here, with the reason and what
-to publish instead; nothing has reached the engine then.
+another model, quantized, or with a block that fails its digest is refused here, with the
+reason and what to publish instead; nothing has reached the engine then.
+
+Quantized (block-FP8) versions are refused whatever the engine: a bf16 engine would cast the
+FP8 bytes into its bf16 parameters and serve garbage, and an FP8 SGLang engine needs AMX tiles
+on a CPU (or a GPU), which no machine this was built on had, so its update path is untested.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -37,6 +42,15 @@ class StagedVersion:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def quantization(config: dict[str, Any]) -> str:
+    """The quantization a version's ``config.json`` declares (``fp8``), or ''."""
+    declared = config.get("quantization_config")
+    if declared is None:
+        return ""
+    method = declared.get("quant_method") if isinstance(declared, dict) else None
+    return str(method or "quantization_config")
+
+
 def stage(client: WeightsClient, info: VersionInfo, engine_shape: ModelShape) -> StagedVersion:
     """Read the version of ``info`` (leased by the caller) for an engine of ``engine_shape``,
     every block verified.
@@ -52,6 +66,11 @@ def stage(client: WeightsClient, info: VersionInfo, engine_shape: ModelShape) ->
             raise WeightsError(
                 f"version {version} is laid out for vLLM ({manifest.layout}, tp={manifest.tp}); "
                 "SGLang loads whole HF tensors: publish with --layout hf"
+            )
+        if method := quantization(client.config(info)):
+            raise WeightsError(
+                f"version {version} is quantized ({method}); weightcast's SGLang node loads "
+                "bf16 versions only: publish without --quantize"
             )
         check_engine_model(client, info, engine_shape)
         tensors = client.load(info)
