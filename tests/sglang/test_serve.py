@@ -1,11 +1,14 @@
 """``python -m sglang.launch_server`` kept on versions by ``weightcast follow --sglang-url``
 (a process on the server's host), through real versions: the newest one corrupt (refused,
-reported, the server untouched), then one read whole, then one by delta; after each the
-server's greedy tokens and log-probabilities equal, exactly, a fresh engine's from the same
-weights, and the server and the registry name the version."""
+reported, the server untouched), then one read whole, then one by delta, then one whose node
+is SIGKILLed in the middle of the update (the next node ends the session it left open and
+loads the version), then a restart of the server (brought back to the newest version); after
+each the server's greedy tokens and log-probabilities equal, exactly, a fresh engine's from
+the same weights, and the server and the registry name the version."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -70,7 +73,34 @@ def test_follow_keeps_the_server_on_the_newest_version(
             said = report(registry)
             assert said is not None and (said.version, said.via, said.error) == (version, via, "")
         assert registry.leases(version) == [NODE]
+
+        # SIGKILL in the middle of an update: stopped the moment it hands the tensors over,
+        # after SGLang's weight-update session was opened.
+        follower.stop_at = re.compile(r"sglang request .*route=/update_weights_from_tensor")
+        newest = registry.publish(TINY, tiny.states["B"], layout="hf")
+        assert follower.stopped.wait(120), follower.log()[-3000:]
+        follower.process.kill()
+        follower.process.wait(30)
+    finally:
+        follower.process.kill()
+        follower.process.wait(30)
+
+    # The next node ends the session left open (SGLang opens no other) and loads the newest.
+    follower = Follower(env, server.url, NODE, flag="--sglang-url")
+    try:
+        wait_for(lambda: server.weight_version() == str(newest), 120, "the next node's load")
+        assert "ended the weight-update session a stopped node left open" in follower.log()
+        assert greedy(server) == fresh["B"]
+        wait_for(lambda: registry.leases(newest) == [NODE], 30, "the new node's lease")
+
+        # A restarted server (A's weights and version again) is brought back to the newest.
+        server.stop()
+        server.start()
+        server.wait_ready()
+        wait_for(lambda: server.weight_version() == str(newest), 300, "the restarted server")
+        assert greedy(server) == fresh["B"] != fresh["A"]
+        assert "sglang server unavailable; waiting for it" in follower.log()
     finally:
         follower.process.terminate()
-        follower.process.wait(30)
-    assert follower.process.returncode == 0, follower.log()[-3000:]
+        assert follower.process.wait(60) == 0, follower.log()[-3000:]
+    assert registry.leases(newest) == []  # a stopped node lets go of its lease

@@ -20,6 +20,9 @@ from weightcast.client.engine import EngineError
 from weightcast.client.engine_server import call_route
 from weightcast.client.sglang.engine import PAUSE_MODES
 
+NO_OPEN_SESSION = "no weight-update session is open"
+"""SGLang's answer (0.5.23) to ``/end_weight_update`` when no session is open."""
+
 
 class SglangServer:
     """An SGLang server's update routes (``/begin_weight_update``, ...) over HTTP."""
@@ -68,6 +71,21 @@ class SglangServer:
     def update_weight_version(self, version: str) -> None:
         body = {"new_version": version, "abort_all_requests": False}
         self.call("POST", "/update_weight_version", body)
+
+    def end_leftover_update(self) -> bool:
+        """End what a node stopped mid-update left: its weight-update session (SGLang opens no
+        other while one is open) and its pause. Whether a session was open: the weights may
+        then be partly those of the version it was loading."""
+        try:
+            self.end_weight_update()
+        except EngineError as exc:
+            if NO_OPEN_SESSION not in str(exc):
+                raise
+            left_open = False
+        else:
+            left_open = True
+        self.call("POST", "/continue_generation", {})  # a no-op unless generation is paused
+        return left_open
 
     def resume(self) -> None:
         if self.pause_mode != "wait":

@@ -3,8 +3,10 @@
 The node runs on the server's host (see :mod:`.server`): each newer version is leased, staged
 (verified) and swapped in by an :class:`~weightcast.client.sglang.engine.SglangNode` whose
 engine is the server; a version refused is reported and not tried again; a server that does
-not answer is waited for. The engine's model is read from the ``config.json`` of the directory
-the server was started from (``/model_info``'s ``model_path``, on this host).
+not answer is waited for; what a node stopped mid-update left open (SGLang's weight-update
+session, a pause) is ended before the next load, which then hands every tensor. The engine's
+model is read from the ``config.json`` of the directory the server was started from
+(``/model_info``'s ``model_path``, on this host).
 """
 
 from __future__ import annotations
@@ -61,8 +63,16 @@ class SglangServerNode:
                 f"--sglang-url: cannot read the served model's config.json ({exc}); the node "
                 "must run on the SGLang server's host"
             ) from None
+        served = served_version(str(info["weight_version"]))
+        if self.server.end_leftover_update():
+            log.warning(
+                "sglang server: ended the weight-update session a stopped node left open; "
+                "loading the newest version whole",
+                weight_version=info["weight_version"],
+            )
+            served = 0  # its weights may be partly another version's
         self.node = SglangNode(self.server, self.client, ModelShape.from_hf_config(config))
-        self.node.served = served_version(str(info["weight_version"]))
+        self.node.served = served
         self.trouble = ""
         log.info("sglang server ready", url=self.server.url, served=self.node.served)
         return True
