@@ -27,29 +27,22 @@ import tempfile
 import time
 from pathlib import Path
 
-CONTEXT = {"tiny": 1024, "0.6B": 4096}
-"""The shapes benchmarked and the context (``max_position_embeddings``) each engine gets."""
+from common import ENGINE_CONTEXT, cold_read, drop_pages, engine_versions
+
 MEMORY = {"tiny": 0.05, "0.6B": 0.2}
 """SGLang's ``mem_fraction_static`` per shape: the weights must leave room for a KV cache."""
 
 
 def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
-    from common import cold_read, drop_pages
     from weightcast.client.sglang.engine import SglangNode, swap
     from weightcast.client.sglang.local_engine import LocalSglangEngine
     from weightcast.client.sglang.staging import stage
     from weightcast.client.weights import WeightsClient
-    from weightcast.contract.model_shape import SHAPES, ConfigExtras, ModelShape
+    from weightcast.contract.model_shape import ModelShape
 
-    from helpers.registry import Registry, random_state
     from sglang_helpers import sglang_engine
 
-    config = SHAPES[name].to_hf_config(extras=ConfigExtras(max_position_embeddings=CONTEXT[name]))
-    registry = Registry(redis_url, f"bench-{name}", work / name)
-    versions = [
-        registry.publish(config, random_state(config, seed), layout="hf") for seed in (1, 2)
-    ]
-    os.sync()
+    config, registry, versions = engine_versions(name, work, redis_url, "hf")
     started = time.perf_counter()
     times: dict[str, list[float]] = {k: [] for k in ("stage", "swap", "read")}
     load = [os.getloadavg()[0]]
@@ -92,7 +85,9 @@ def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(CONTEXT), choices=list(CONTEXT))
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(ENGINE_CONTEXT), choices=list(ENGINE_CONTEXT)
+    )
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
 

@@ -32,30 +32,21 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(report)
+from common import ENGINE_CONTEXT, cold_read, drop_pages, engine_versions
 
-CONTEXT = {"tiny": 1024, "0.6B": 4096}
-"""The shapes benchmarked (:data:`weightcast.contract.model_shape.SHAPES`) and the context
-(``max_position_embeddings``) each engine gets."""
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc(report)
 
 
 def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
-    from common import cold_read, drop_pages
     from weightcast.client.vllm.backend import report
     from weightcast.client.vllm.engine import swap
     from weightcast.client.vllm.local_engine import LocalEngine
     from weightcast.client.weights import WeightsClient
     from weightcast.contract.layout import FUSED_WEIGHTS_FILE
-    from weightcast.contract.model_shape import SHAPES, ConfigExtras
 
-    from vllm_helpers import Registry, llm_engine, random_state
+    from vllm_helpers import llm_engine
 
-    config = SHAPES[name].to_hf_config(extras=ConfigExtras(max_position_embeddings=CONTEXT[name]))
-    registry = Registry(redis_url, f"bench-{name}", work / name)
-    versions = [
-        registry.publish(config, random_state(config, seed), layout="both") for seed in (1, 2)
-    ]
-    os.sync()
+    _, registry, versions = engine_versions(name, work, redis_url, "both")
     started = time.perf_counter()
     kinds = ("swap", "stage", "apply", "read", "client")
     times: dict[str, list[float]] = {k: [] for k in kinds}
@@ -112,7 +103,9 @@ def bench_shape(name: str, runs: int, work: Path, redis_url: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=list(CONTEXT), choices=list(CONTEXT))
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(ENGINE_CONTEXT), choices=list(ENGINE_CONTEXT)
+    )
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args()

@@ -1,6 +1,7 @@
 """What the benchmarks share: the machine line, timing and medians of ratios, the raw disk
 baselines (cp + fsync, a write + fsync, a cold read), the page cache, the environment of a
-weightcast process and the wait for its ``published`` event, and the ``--json`` file.
+weightcast process and the wait for its ``published`` event, the engine benchmarks' two
+versions, and the ``--json`` file.
 
 The scripts of ``bench/`` import it as ``common`` (``bench/`` is the first entry of
 ``sys.path`` when a script of it runs, as ``python -m bench NAME`` runs them).
@@ -199,3 +200,28 @@ def wait_published(events: Any, timeout: float, log: Callable[[], str]) -> dict:
     while (event := next_event(events, timeout, log))["event"] != "published":
         pass
     return event
+
+
+ENGINE_CONTEXT = {"tiny": 1024, "0.6B": 4096}
+"""The shapes the engine benchmarks run (:data:`weightcast.contract.model_shape.SHAPES`) and
+the context (``max_position_embeddings``) each engine gets."""
+
+
+def engine_versions(
+    name: str, work: Path, redis_url: str, layout: str
+) -> tuple[dict[str, Any], Any, list[int]]:
+    """Two random versions of shape ``name`` in ``layout``, written by the real publisher (the
+    tests' registry, on ``PYTHONPATH``) and synced to disk: the config, the registry and their
+    numbers."""
+    from weightcast.contract.model_shape import SHAPES, ConfigExtras
+
+    from helpers.registry import Registry, random_state
+
+    extras = ConfigExtras(max_position_embeddings=ENGINE_CONTEXT[name])
+    config = SHAPES[name].to_hf_config(extras=extras)
+    registry = Registry(redis_url, f"bench-{name}", work / name)
+    versions = [
+        registry.publish(config, random_state(config, seed), layout=layout) for seed in (1, 2)
+    ]
+    os.sync()
+    return config, registry, versions
