@@ -29,8 +29,19 @@ SGLANG_BIN := $(SGLANG_VENV)/bin
 up: setup
 	$(BIN)/weightcast up
 
+# The engines' venvs (minutes of downloads each, on first use) build in the background, one
+# after the other, while the core tiers run; their log is $(ENGINE_VENVS_LOG).
+ENGINE_VENVS_LOG := $(VENV)/engine-venvs.log
+
 test: lint
-	$(BIN)/pytest -m "not realsize"
+	@echo "building $(VLLM_VENV) and $(SGLANG_VENV) in the background: $(ENGINE_VENVS_LOG)"
+	$(MAKE) --no-print-directory vllm-setup sglang-setup > $(ENGINE_VENVS_LOG) 2>&1 & venvs=$$!; \
+	$(BIN)/pytest -m "not realsize"; tests=$$?; \
+	if ! wait $$venvs; then \
+		tail -n 40 $(ENGINE_VENVS_LOG); echo "building the engines' venvs failed: see above"; \
+		exit 1; \
+	fi; \
+	exit $$tests
 	$(MAKE) test-vllm
 	$(MAKE) test-sglang
 	$(MAKE) test-realsize
