@@ -5,9 +5,10 @@ share), so an SGLang node reads versions of the ``hf`` layout. A version fused f
 another model, quantized, or with a block that fails its digest is refused here, with the
 reason and what to publish instead; nothing has reached the engine then.
 
-Quantized (block-FP8) versions are refused whatever the engine: a bf16 engine would cast the
-FP8 bytes into its bf16 parameters and serve garbage, and an FP8 SGLang engine needs AMX tiles
-on a CPU (or a GPU), which no machine this was built on had, so its update path is untested.
+Quantized (block-FP8) versions are refused whatever the engine: handed to a bf16 engine, the
+FP8 tensors fail SGLang's loader inside its scheduler, which ends the engine and the node's
+process with it; and an FP8 SGLang engine needs AMX tiles on a CPU (or a GPU), which no machine
+this was built on had, so its update path is untested.
 """
 
 from __future__ import annotations
