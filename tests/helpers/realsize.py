@@ -159,28 +159,38 @@ def corrupt(versions: RealSizeVersions, version: int) -> None:
     rank reads the block, by delta or in full, meets the flipped byte (a rank reads only
     the blocks of its part: bytes no rank reads may be corrupt without harm)."""
     directory = versions.directory / f"v{version}"
+    remote = versions.deployment.bucket()
+    for path in corrupt_version(directory):
+        if remote is not None:
+            remote.upload_file(path, remote.key(directory.name, path.name))
+
+
+def corrupt_version(directory: Path) -> list[Path]:
+    """Flip a byte in the middle of one changed block of the version in ``directory`` (its
+    fused weights file, else the first its delta covers: an ``hf`` layout's) and in that
+    block's delta frame; the two files changed."""
     manifest = Manifest.read(directory)
     assert manifest.delta is not None
-    frames = manifest.delta.frames(FUSED_WEIGHTS_FILE)
+    names = [file.name for file in manifest.delta.files]
+    name = FUSED_WEIGHTS_FILE if FUSED_WEIGHTS_FILE in names else names[0]
+    frames = manifest.delta.frames(name)
     changed = [i for i, (_, length) in enumerate(frames) if length]
     block = changed[len(changed) // 2]  # inside a large tensor, away from the header
-    (entry,) = (f for f in manifest.files if f.name == FUSED_WEIGHTS_FILE)
+    (entry,) = (f for f in manifest.files if f.name == name)
     assert entry.blocks is not None
     start, stop = entry.blocks.span(block, entry.bytes)
     offset, length = frames[block]
     places = {
-        directory / FUSED_WEIGHTS_FILE: (start + stop) // 2,
+        directory / name: (start + stop) // 2,
         directory / manifest.delta.file: offset + length // 2,
     }
-    remote = versions.deployment.bucket()
     for path, at in places.items():
         with open(path, "r+b") as f:
             f.seek(at)
             byte = f.read(1)[0]
             f.seek(at)
             f.write(bytes([byte ^ 0x10]))
-        if remote is not None:
-            remote.upload_file(path, remote.key(directory.name, path.name))
+    return list(places)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,8 @@ class Registry:
     root: Path
     step: int = 0
     versions: dict[int, Path] = field(default_factory=dict)
+    publisher: dict[str, Any] = field(default_factory=dict)
+    """``publisher.*`` settings of every publish beside the registry's own (``delta_behind``)."""
 
     @property
     def weights_dir(self) -> Path:
@@ -76,6 +78,7 @@ class Registry:
             # their size, so that engines load by delta (the default drops a delta over half
             # the version; tests/integration/test_delta_publish.py covers that).
             "publisher.delta_max_ratio": 1.0,
+            **{f"publisher.{name}": value for name, value in self.publisher.items()},
         }
         publisher = Publisher(load_config(env={}, overrides=settings))
         try:
