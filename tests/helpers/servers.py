@@ -1,19 +1,36 @@
 """An engine's HTTP server as a process of the real-engine tiers (``vllm serve``, an SGLang
-server): started on a free loopback port, waited for, called, stopped with its process group."""
+server): started on a free loopback port, waited for, called, stopped with its process group;
+and a loopback HTTP server in a thread of the test's own (:func:`serving`)."""
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
+
+
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A loopback HTTP server answering with ``handler`` in a thread, while inside; its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def free_port() -> int:

@@ -4,9 +4,8 @@ SGLang's ``launch_server`` do when an update fails, and the drivers type each an
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
@@ -15,7 +14,7 @@ from weightcast.client.engine_server import error_message
 from weightcast.client.sglang.server import SglangServer
 from weightcast.client.vllm.server import VllmServer
 
-from helpers.servers import free_port
+from helpers.servers import free_port, serving
 
 ANSWERS: dict[str, tuple[int, bytes]] = {
     "/vllm-refused": (400, json.dumps({"error": {"message": f"v7: {REFUSED}: tp 2"}}).encode()),
@@ -44,12 +43,8 @@ class _Answers(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Answers)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(_Answers) as url:
+        yield url
 
 
 def test_vllm_refusals_are_typed_and_its_failures_carry_its_message(url: str) -> None:

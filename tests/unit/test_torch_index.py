@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import http.server
 import importlib.util
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from weightcast.runtime.net import free_port
+
+from helpers.servers import serving
 
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("torch_index", REPO / "scripts/torch_index.py")
@@ -64,12 +65,8 @@ def index_server() -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
+    with serving(Index) as url:
+        yield url
 
 
 def test_an_index_is_reachable_when_it_answers(index_server: str) -> None:
