@@ -4,7 +4,8 @@ reported, the server untouched), then one read whole, then one by delta, then on
 is SIGKILLed in the middle of the update (the next node ends the session it left open and
 loads the version), then a restart of the server (brought back to the newest version); after
 each the server's greedy tokens and log-probabilities equal, exactly, a fresh engine's from
-the same weights, and the server and the registry name the version."""
+the same weights, and the server and the registry name the version. Last, a node started
+beside a server already on the newest version leases that version and loads nothing."""
 
 from __future__ import annotations
 
@@ -104,3 +105,12 @@ def test_follow_keeps_the_server_on_the_newest_version(
         follower.process.terminate()
         assert follower.process.wait(60) == 0, follower.log()[-3000:]
     assert registry.leases(newest) == []  # a stopped node lets go of its lease
+
+    # A node started beside a server already on the newest version leases it, loading nothing.
+    follower = Follower(env, server.url, NODE, flag="--sglang-url")
+    try:
+        wait_for(lambda: registry.leases(newest) == [NODE], 60, "the served version's lease")
+        assert "sglang serves version" not in follower.log()
+    finally:
+        follower.process.terminate()
+        assert follower.process.wait(60) == 0, follower.log()[-3000:]

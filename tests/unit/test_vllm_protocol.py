@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from weightcast.client.engine import served_version
 from weightcast.client.vllm.protocol import InitInfo, UpdateInfo, resolve
-from weightcast.client.vllm.server_node import served_version
 from weightcast.runtime.settings import load_config
 
 

@@ -1,15 +1,19 @@
-"""What every inference engine's driver says when a weight update fails (vLLM's, SGLang's).
+"""What every inference engine's driver says when a weight update fails (vLLM's, SGLang's),
+and what its node keeps of the version the engine serves.
 
 The engines differ in their update calls (:mod:`weightcast.client.vllm.engine`,
 :mod:`weightcast.client.sglang.engine`); their failures are typed here once, so that a node
 loop treats a refused version (not worth trying again), an engine failure and an engine that
-does not answer the same way whatever the engine.
+does not answer the same way whatever the engine. Either engine reports the version it serves
+as a label (:func:`served_version`), and its node leases that version (:func:`served_lease`).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING
 
+from weightcast.client.versions import VersionGone
 from weightcast.contract.errors import LayoutError, WeightcastError, WeightsError
 from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.version_info import VersionInfo
@@ -47,3 +51,18 @@ def check_engine_model(client: WeightsClient, info: VersionInfo, engine_shape: M
             f"version {info.version} is a different model ({shape}) from the engine's "
             f"({engine_shape})"
         )
+
+
+def served_version(label: str) -> int:
+    """The weightcast version behind an engine's weight version label (0: not one of ours)."""
+    return int(label) if label.isdigit() else 0
+
+
+def served_lease(client: WeightsClient, version: int) -> contextlib.ExitStack:
+    """A lease on ``version``, the one an engine serves, while it is live (else none): what a
+    node holds until it replaces that version."""
+    lease = contextlib.ExitStack()
+    if version:
+        with contextlib.suppress(VersionGone):
+            lease.enter_context(client.lease(version))
+    return lease

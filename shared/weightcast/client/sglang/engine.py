@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 import xxhash
 
-from weightcast.client.engine import EngineError
+from weightcast.client.engine import EngineError, served_lease
 from weightcast.client.settings import SGLANG_PAUSE_MODES
 from weightcast.client.sglang.staging import StagedVersion, stage
 from weightcast.client.weights import WeightsClient
@@ -143,6 +143,13 @@ class SglangNode:
             seconds=round(time.perf_counter() - started, 3),
         )
         return staged
+
+    def hold(self, version: int) -> None:
+        """Take ``version`` as the one the engine serves (a node that found its engine already
+        on it) and lease it, when it is still live."""
+        self.lease.close()
+        self.lease = served_lease(self.client, version)
+        self.served = version
 
     def report(self) -> None:
         """Record in ``{wc}:nodes`` the version served and the last error, if any."""

@@ -15,10 +15,9 @@ import json
 import time
 from pathlib import Path
 
-from weightcast.client.engine import EngineError, VersionRefused
+from weightcast.client.engine import EngineError, VersionRefused, served_version
 from weightcast.client.sglang.engine import SglangNode
 from weightcast.client.sglang.server import SglangServer
-from weightcast.client.vllm.server_node import served_version
 from weightcast.client.weights import VersionGone, WeightsClient
 from weightcast.contract.errors import ConfigError
 from weightcast.contract.model_shape import ModelShape
@@ -72,7 +71,7 @@ class SglangServerNode:
             )
             served = 0  # its weights may be partly another version's
         self.node = SglangNode(self.server, self.client, ModelShape.from_hf_config(config))
-        self.node.served = served
+        self.node.hold(served)
         self.trouble = ""
         log.info("sglang server ready", url=self.server.url, served=self.node.served)
         return True

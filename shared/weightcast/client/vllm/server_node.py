@@ -14,7 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from weightcast.client.engine import EngineError, ServerUnavailable, VersionRefused
+from weightcast.client.engine import (
+    EngineError,
+    ServerUnavailable,
+    VersionRefused,
+    served_lease,
+    served_version,
+)
 from weightcast.client.vllm.engine import swap
 from weightcast.client.vllm.server import VllmServer
 from weightcast.client.weights import VersionGone, WeightsClient
@@ -24,11 +30,6 @@ from weightcast.runtime.logs import get_logger
 from weightcast.runtime.stop import Stop
 
 log = get_logger("vllm")
-
-
-def served_version(label: str) -> int:
-    """The weightcast version behind vLLM's weight version label (0: not one of ours)."""
-    return int(label) if label.isdigit() else 0
 
 
 class ServerNode:
@@ -167,10 +168,7 @@ class ServerNode:
     def _hold(self, version: int) -> None:
         """Lease the version the server runs (when it is a live one), releasing any other."""
         self.lease.close()
-        self.lease = contextlib.ExitStack()
-        if version:
-            with contextlib.suppress(VersionGone):
-                self.lease.enter_context(self.client.lease(version))
+        self.lease = served_lease(self.client, version)
 
     def close(self) -> None:
         self.lease.close()
