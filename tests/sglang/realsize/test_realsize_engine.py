@@ -15,6 +15,7 @@ cores encode a 0.6B delta slower than they write it).
 from __future__ import annotations
 
 import math
+import shutil
 from collections.abc import Iterator
 
 import pytest
@@ -52,22 +53,25 @@ WALK = (  # (version, how the node takes it)
 
 
 @pytest.fixture(scope="module")
-def versions(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Registry:
+def versions(
+    redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Registry]:
     """Versions 1 to 4, each 3% of the values of the one before moved by one ulp, in the
-    ``hf`` layout; version 4 corrupted in one changed block of its file and of its delta."""
-    registry = Registry(
-        redis_server.url,
-        "sg-realsize",
-        tmp_path_factory.mktemp("realsize"),
-        publisher={"delta_behind": "wait"},
-    )
+    ``hf`` layout; version 4 corrupted in one changed block of its file and of its delta.
+    Their 10 GB (snapshots and versions) are removed at the end: the real-size tier after
+    this one needs the disk."""
+    root = tmp_path_factory.mktemp("realsize")
+    registry = Registry(redis_server.url, "sg-realsize", root, publisher={"delta_behind": "wait"})
     state = plausible_state(SHAPE, seed=1)
-    for step in range(1, CORRUPT + 1):
-        if step > 1:
-            drift(state, step, MOVED_EVERY)
-        assert registry.publish(CONFIG, state, layout="hf") == step
-    corrupt_version(registry.versions[CORRUPT])
-    return registry
+    try:
+        for step in range(1, CORRUPT + 1):
+            if step > 1:
+                drift(state, step, MOVED_EVERY)
+            assert registry.publish(CONFIG, state, layout="hf") == step
+        corrupt_version(registry.versions[CORRUPT])
+        yield registry
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
