@@ -11,7 +11,7 @@ as a label (:func:`served_version`), and its node leases that version (:func:`se
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from weightcast.client.versions import VersionGone
 from weightcast.contract.errors import LayoutError, WeightcastError, WeightsError
@@ -39,11 +39,12 @@ class ServerUnavailable(EngineError):
     """The engine's server did not answer (down, restarting, or not started yet)."""
 
 
-def check_engine_model(client: WeightsClient, info: VersionInfo, engine_shape: ModelShape) -> None:
-    """Refuse (a WeightsError) a version whose ``config.json`` is not the engine's model: an
-    engine can load weights only of the shape it was built for."""
+def check_engine_model(config: dict[str, Any], info: VersionInfo, engine_shape: ModelShape) -> None:
+    """Refuse (a WeightsError) a version whose ``config.json`` (``config``, read and verified
+    by the caller) is not the engine's model: an engine can load weights only of the shape it
+    was built for."""
     try:
-        shape = ModelShape.from_hf_config(client.config(info))
+        shape = ModelShape.from_hf_config(config)
     except LayoutError as exc:
         raise WeightsError(f"version {info.version}: {exc}") from None
     if shape != engine_shape:

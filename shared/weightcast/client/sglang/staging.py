@@ -68,12 +68,13 @@ def stage(client: WeightsClient, info: VersionInfo, engine_shape: ModelShape) ->
                 f"version {version} is laid out for vLLM ({manifest.layout}, tp={manifest.tp}); "
                 "SGLang loads whole HF tensors: publish with --layout hf"
             )
-        if method := quantization(client.config(info)):
+        config = client.config(info)
+        if method := quantization(config):
             raise WeightsError(
                 f"version {version} is quantized ({method}); weightcast's SGLang node loads "
                 "bf16 versions only: publish without --quantize"
             )
-        check_engine_model(client, info, engine_shape)
+        check_engine_model(config, info, engine_shape)
         tensors = client.load(info)
     except WeightsError as exc:
         raise VersionRefused(f"version {version} {REFUSED}: {type(exc).__name__}: {exc}") from exc

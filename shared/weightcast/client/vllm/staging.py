@@ -96,7 +96,7 @@ class RankReader:
         client = self.client
         with client.lease(version) as info:
             manifest = client.manifest(info)
-            check_engine_model(client, info, engine_shape)
+            check_engine_model(client.config(info), info, engine_shape)
             if manifest.layout == LAYOUT_HF:
                 # Whole HF tensors: vLLM's loaders take the rank's share themselves.
                 parts = [RankPart(n, t, Shard(ShardKind.HF)) for n, t in client.load(info).items()]
