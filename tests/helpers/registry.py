@@ -12,6 +12,7 @@ from typing import Any
 import redis
 import torch
 
+from weightcast.client.weights import WeightsClient
 from weightcast.contract.keys import Keys
 from weightcast.contract.model_shape import ModelShape
 from weightcast.runtime.settings import load_config
@@ -91,6 +92,16 @@ class Registry:
         self.versions[version] = Path(self.weights_dir) / path
         client.close()
         return version
+
+    def client(self, node_id: str, keep_base: bool = False) -> WeightsClient:
+        """A node's client of this registry's versions (``keep_base``: read by delta)."""
+        return WeightsClient(
+            self.redis_url,
+            self.weights_dir,
+            namespace=self.namespace,
+            node_id=node_id,
+            keep_base=keep_base,
+        )
 
     def location(self, node_id: str) -> dict[str, str]:
         """The backend's ``init_info`` for versions of this registry."""

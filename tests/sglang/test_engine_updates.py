@@ -21,7 +21,6 @@ import redis
 from weightcast.client.engine import REFUSED, VersionRefused
 from weightcast.client.sglang.engine import SglangNode
 from weightcast.client.sglang.local_engine import LocalSglangEngine
-from weightcast.client.weights import WeightsClient
 from weightcast.contract.model_shape import ModelShape
 from weightcast.contract.nodes import NodeReport
 
@@ -34,14 +33,7 @@ from sglang_helpers import greedy, sglang_engine
 def node(tiny: Versions, fresh: dict[str, Any]) -> Iterator[SglangNode]:
     """An engine started from A's directory (after the fresh engines: one engine at a time),
     and its node."""
-    registry = tiny.registry
-    client = WeightsClient(
-        registry.redis_url,
-        registry.weights_dir,
-        namespace=registry.namespace,
-        node_id="sg-0",
-        keep_base=True,
-    )
+    client = tiny.registry.client("sg-0", keep_base=True)
     with sglang_engine(tiny.path("A")) as engine:
         node = SglangNode(LocalSglangEngine(engine), client, ModelShape.from_hf_config(TINY))
         yield node

@@ -9,7 +9,6 @@ version the node had read as newest before the node leases it. That ended the no
 from __future__ import annotations
 
 from weightcast.client.node import Node
-from weightcast.client.weights import WeightsClient
 from weightcast.local.vllm_rollout import VllmPolicies
 from weightcast.runtime.settings import load_config
 
@@ -25,9 +24,7 @@ def test_a_version_evicted_before_the_engine_leases_it_is_skipped(registry: Regi
             "weights_dir": registry.weights_dir,
         },
     )
-    client = WeightsClient(
-        registry.redis_url, registry.weights_dir, namespace=registry.namespace, node_id="rollout"
-    )
+    client = registry.client("rollout")
     gone = max(registry.versions, default=0) + 1  # latest() just before its eviction
     client.latest = lambda: gone  # type: ignore[method-assign]
     node = Node(client, report_every=60)

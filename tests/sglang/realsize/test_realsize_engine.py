@@ -23,7 +23,6 @@ import pytest
 from weightcast.client.engine import REFUSED, VersionRefused
 from weightcast.client.sglang.engine import SglangNode
 from weightcast.client.sglang.local_engine import LocalSglangEngine
-from weightcast.client.weights import WeightsClient
 from weightcast.contract.model_shape import ConfigExtras, ModelShape, hf_tensor_shapes
 from weightcast.local.redis_server import RedisServer
 
@@ -76,13 +75,7 @@ def versions(
 
 @pytest.fixture(scope="module")
 def node(versions: Registry) -> Iterator[SglangNode]:
-    client = WeightsClient(
-        versions.redis_url,
-        versions.weights_dir,
-        namespace=versions.namespace,
-        node_id="sg-realsize",
-        keep_base=True,
-    )
+    client = versions.client("sg-realsize", keep_base=True)
     with sglang_engine(versions.versions[1], mem_fraction_static=MEMORY_FRACTION) as engine:
         node = SglangNode(LocalSglangEngine(engine), client, ModelShape.from_hf_config(CONFIG))
         yield node
