@@ -204,7 +204,7 @@ def published(
 ) -> Iterator[RealSizeVersions]:
     """:func:`publish_versions` of ``shape`` into a new bucket of ``s3_server`` (and
     ``root/weights``), under a namespace of their own, with the server's client environment
-    set meanwhile (readers in this process and the processes it starts use it); its objects
+    set meanwhile (readers in this process and the processes it starts use it); its bucket
     and ``root`` are removed at the end. ``publisher``: ``publisher.*`` settings beside
     :data:`PUBLISHER` (``tp=2``, ``quantize="fp8"``)."""
     bucket = unique_bucket()
@@ -227,10 +227,7 @@ def published(
             yield publish_versions(deployment, hf_root)
         finally:
             deployment.publisher.lock.release()
-            remote = deployment.bucket()
-            if remote is not None:  # the tier's 7 GB of objects, and of files, not kept
-                for name in remote.version_names():
-                    remote.remove_version(name)
             deployment.publisher.close()
+            s3_server.delete_bucket(bucket)  # gigabytes, which deleted objects would still hold
             shutil.rmtree(root, ignore_errors=True)
             client.close()

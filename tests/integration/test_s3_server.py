@@ -65,6 +65,33 @@ def test_the_client_environment_reaches_the_server(
     assert s3_process_env(s3_server, {})["AWS_ENDPOINT_URL"] == s3_server.endpoint_url
 
 
+def _disk_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def test_deleting_a_bucket_frees_its_disk_where_deleting_its_objects_does_not(
+    private_s3_server: S3Server,
+) -> None:
+    """The real-size tiers write gigabytes per bucket; only deleting the bucket gives the disk
+    back (CI's real-size tier once filled the disk with deleted objects: HTTP 500 to a PUT)."""
+    server = private_s3_server
+    client = s3_client(server)
+    server.create_bucket("t-big")
+    data = os.urandom(16 * 2**20)
+    for index in range(4):
+        client.put_object(Bucket="t-big", Key=f"v1/part-{index}", Body=data)
+    written = _disk_bytes(server.data_dir)
+    for index in range(4):
+        client.delete_object(Bucket="t-big", Key=f"v1/part-{index}")
+    assert _disk_bytes(server.data_dir) >= written - 2**20
+    server.delete_bucket("t-big")
+    assert _disk_bytes(server.data_dir) < written - 60 * 2**20
+    with pytest.raises(ClientError) as missing:
+        client.head_bucket(Bucket="t-big")
+    assert missing.value.response["Error"]["Code"] == "404"
+    client.put_object(Bucket=server.bucket, Key="k", Body=b"abc")  # the server goes on
+
+
 def test_data_survives_a_sigkill_and_a_restart_on_the_same_ports(
     private_s3_server: S3Server,
 ) -> None:

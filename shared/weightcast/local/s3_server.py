@@ -233,6 +233,12 @@ class S3Server:
                 ) from error
             raise
 
+    def delete_bucket(self, name: str) -> None:
+        """Delete bucket ``name`` and every object in it. Deleting objects alone frees no disk
+        in SeaweedFS (their volumes shrink only when vacuumed); deleting the bucket drops its
+        volumes at once, so a test that wrote gigabytes leaves none behind."""
+        _request("DELETE", f"{self.endpoint_url}/{name}", timeout=60.0)
+
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after ``grace`` seconds."""
         if self.process is not None and self.process.poll() is None:
