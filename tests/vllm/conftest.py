@@ -33,9 +33,16 @@ HERE = Path(__file__).resolve().parent
 
 
 def tp_env(tp: int) -> dict[str, str]:
-    """Environment for a CPU engine at ``tp``: one core per rank (vLLM's automatic binding
-    wants a NUMA node per rank, which a small machine does not have)."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))} if tp > 1 else {}
+    """Environment for a CPU engine at ``tp``: one core, so one thread, per rank. vLLM's
+    automatic binding wants a NUMA node per rank, which a small machine does not have, and at
+    tp 1 gives its worker every core but one, where a fresh reference (``fresh_engine.py``)
+    runs with the threads it is given. A different thread count sums in another order: on an
+    AVX-512 Xeon a 0.6B engine's log-probabilities then differ in their last bits, and now
+    and then a greedy token (seen on an Intel Xeon; an AMD EPYC happened to agree)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(map(str, range(tp)))}
+
+
+os.environ.update(tp_env(1))  # every tp-1 engine of the tier: LLMs here, `vllm serve`, `up`
 
 
 def shard_norm_as_qkv(registry: Registry, version: int) -> None:

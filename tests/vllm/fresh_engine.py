@@ -4,7 +4,9 @@
 backend) per model, one after another, and writes their :func:`vllm_helpers.greedy` outputs.
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; at tp=1 the
 worker too), so each engine starts in seconds instead of a minute: the numbers are the same
-as a multi-process engine's, which the tests compare them with.
+as a multi-process engine's, which the tests compare them with, at the same thread count.
+An in-process worker binds no threads, so at tp=1 this process gets the one thread that
+``conftest.tp_env`` gives the engines under test.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
 
 def main(out: str, tp: str, *models: str) -> None:
+    if int(tp) == 1:
+        os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pool
     from vllm_helpers import greedy, llm_engine
 
     results = {}

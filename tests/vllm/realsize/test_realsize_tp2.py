@@ -1,7 +1,8 @@
 """A tp=2 CPU ``vllm.LLM`` with the weightcast backend walks versions fused for tp 2 (the
-walk of ``helpers.realsize``) from a bucket, then from the weights directory; each worker
-reads only its rank's part, and after every update the engine generates what a fresh stock
-tp=2 engine started from that version generates.
+walk of ``helpers.realsize``) from a bucket; each worker reads only its rank's part, by
+ranged GETs, and after every update the engine generates what a fresh stock tp=2 engine
+started from that version generates. (A rank's part read from a directory is the tiny
+tier's ``test_tp2_updates``; the directory at real size is ``test_realsize_backend``'s.)
 
 The versions are :data:`~helpers.realsize.WIDE`: 0.6B's widths and vocabulary in two layers.
 Its tied embedding is 155 MB a rank (ten ranged GETs, several staging windows), as at 0.6B;
@@ -45,11 +46,10 @@ def engine(
         yield engine
 
 
-@pytest.mark.parametrize("where", ["bucket", "directory"])
-def test_a_tp2_engine_walks_the_versions_and_equals_fresh_engines(
-    engine: LocalEngine, wide_tp2: RealSizeVersions, fresh_tp2: dict[int, Any], where: str
+def test_a_tp2_engine_walks_the_versions_from_a_bucket_and_equals_fresh_engines(
+    engine: LocalEngine, wide_tp2: RealSizeVersions, fresh_tp2: dict[int, Any]
 ) -> None:
-    point_at(engine, wide_tp2, f"realsize-tp2-{where}", where)
+    point_at(engine, wide_tp2, "realsize-tp2-bucket", "bucket")
     walk(engine, fresh_tp2, tp=2)
 
 
