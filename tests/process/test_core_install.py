@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from packaging.requirements import Requirement
 
 from weightcast.contract.keys import Keys
 from weightcast.local.redis_server import RedisServer
@@ -33,6 +34,7 @@ TORCH_SPEC = os.environ.get("TORCH_SPEC", f"torch=={torch.__version__.split('+')
 
 NODE_SCRIPT = """
 import json, sys
+import torch
 import weightcast
 from weightcast import AsyncWeightsClient, BatchProducer, AsyncBatchProducer, WeightsClient
 import weightcast.client.vllm.server_node  # the vLLM node needs neither vLLM nor the trainer
@@ -50,6 +52,7 @@ with client.lease(int(version)) as info:
 client.report_loaded(int(version))
 print(json.dumps({
     "package": weightcast.__file__,
+    "torch": torch.__version__,
     "missing": missing,
     "tensors": {name: [list(t.shape), str(t.dtype), float(t.float().sum())]
                 for name, t in tensors.items()},
@@ -73,24 +76,38 @@ def build_wheel(out: Path) -> Path:
     return wheel
 
 
+def holds_torch_spec(python: Path) -> bool:
+    """Whether the venv of ``python`` holds a torch that :data:`TORCH_SPEC` allows."""
+    done = subprocess.run(
+        [str(python), "-c", "from importlib.metadata import version; print(version('torch'))"],
+        capture_output=True,
+        text=True,
+    )
+    return done.returncode == 0 and Requirement(TORCH_SPEC).specifier.contains(done.stdout.strip())
+
+
 def core_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The core venv's python, built (under a lock) from a fresh wheel of this checkout."""
+    """The core venv's python, built (under a lock) from a fresh wheel of this checkout.
+
+    The wheel goes in twice: with its dependencies, which keeps the torch of
+    :data:`TORCH_SPEC` (``--force-reinstall`` alone reinstalled every dependency, and
+    ``torch>=2.6`` became PyPI's newest, a CUDA build with 3 GB of NVIDIA libraries), then
+    ``--no-deps --force-reinstall``: this checkout's code over a same-numbered install."""
     python = CORE_VENV / "bin" / "python"
     stamp = CORE_VENV / ".fingerprint"
     with open(REPO / ".venv-core.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (python.exists() and stamp.exists() and stamp.read_text() == _fingerprint()):
+        reusable = python.exists() and stamp.exists() and stamp.read_text() == _fingerprint()
+        if not (reusable and holds_torch_spec(python)):
             shutil.rmtree(CORE_VENV, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(CORE_VENV)], check=True)
             pip = [str(python), "-m", "pip", "install", "-q"]
             subprocess.run([*pip, TORCH_SPEC], check=True, timeout=900)
             stamp.write_text("")
-        wheel = build_wheel(tmp_path_factory.mktemp("wheel"))
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--force-reinstall", str(wheel)],
-            check=True,
-            timeout=900,
-        )
+        wheel = str(build_wheel(tmp_path_factory.mktemp("wheel")))
+        pip = [str(python), "-m", "pip", "install", "-q"]
+        subprocess.run([*pip, wheel], check=True, timeout=900)
+        subprocess.run([*pip, "--no-deps", "--force-reinstall", wheel], check=True, timeout=300)
         stamp.write_text(_fingerprint())
     return python
 
@@ -153,6 +170,7 @@ def test_a_core_install_loads_a_version_the_full_install_published(
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert Path(report["package"]).is_relative_to(CORE_VENV), report["package"]
+    assert Requirement(TORCH_SPEC).specifier.contains(report["torch"]), report["torch"]
     assert report["missing"] == ["torchtitan", "watchdog", "transformers", "prometheus_client"]
     assert report["tensors"] == {
         name: [list(t.shape), str(t.dtype), float(t.float().sum())] for name, t in expected.items()
