@@ -97,15 +97,14 @@ def core_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     stamp = CORE_VENV / ".fingerprint"
     with open(REPO / ".venv-core.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        pip = [str(python), "-m", "pip", "install", "-q"]
         reusable = python.exists() and stamp.exists() and stamp.read_text() == _fingerprint()
         if not (reusable and holds_torch_spec(python)):
             shutil.rmtree(CORE_VENV, ignore_errors=True)
             subprocess.run([sys.executable, "-m", "venv", str(CORE_VENV)], check=True)
-            pip = [str(python), "-m", "pip", "install", "-q"]
             subprocess.run([*pip, TORCH_SPEC], check=True, timeout=900)
             stamp.write_text("")
         wheel = str(build_wheel(tmp_path_factory.mktemp("wheel")))
-        pip = [str(python), "-m", "pip", "install", "-q"]
         subprocess.run([*pip, wheel], check=True, timeout=900)
         subprocess.run([*pip, "--no-deps", "--force-reinstall", wheel], check=True, timeout=300)
         stamp.write_text(_fingerprint())
